@@ -1,0 +1,300 @@
+"""One validated configuration for every component, loaded from YAML plus dotted overrides.
+
+Every block forbids unknown keys so a typo fails at load instead of silently running with a
+default. Errors are `ConfigError`s whose one-line message names the key and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+TINY_MODEL_SCHEME = "tiny://"
+HUB_MODEL_SCHEME = "hf://"
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message is one line naming the key and the fix."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class GenerationConfig(_Block):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(64, ge=1)
+    seed: int = 0
+    top_logprobs: int = Field(0, ge=0, le=20)
+
+
+class PolicyConfig(_Block):
+    model_path: str = Field(
+        f"{TINY_MODEL_SCHEME}default",
+        description=(
+            "A local model directory, `tiny://default` for the offline tiny Llama this project "
+            "builds, or `hf://<org>/<name>` for a hub model resolved on the node that serves it."
+        ),
+    )
+    served_model_name: str = "policy"
+    generation: GenerationConfig = GenerationConfig()
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_path_exists(cls, value: str) -> str:
+        if value.startswith(TINY_MODEL_SCHEME):
+            name = value.removeprefix(TINY_MODEL_SCHEME)
+            if name != "default":
+                raise ValueError(f"unknown tiny model {name!r}; use `tiny://default`")
+            return value
+        if value.startswith(HUB_MODEL_SCHEME):
+            if not re.fullmatch(r"[\w.-]+/[\w.-]+", value.removeprefix(HUB_MODEL_SCHEME)):
+                raise ValueError(f"{value!r} is not `hf://<org>/<name>`")
+            return value
+        path = Path(os.path.expanduser(value))
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"no model at {value!r} (no config.json there); build one with "
+                "`rollout-recovery make-tiny-model DIR`, or use `tiny://default` or `hf://<org>/<name>`"
+            )
+        return str(path.resolve())
+
+
+class VllmConfig(_Block):
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: int | None = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Explicit KV cache size; on CPU always set it (utilization sizing drifts).",
+    )
+    max_model_len: int = Field(1024, ge=16)
+    enforce_eager: bool = True
+    flat_logprobs: bool = True
+    num_workers: int = Field(1, ge=1)
+    enable_prefix_caching: bool = False
+    worker_num_cpus: float = Field(
+        1.0, ge=0.0, description="Ray CPUs reserved per GenerationWorker actor."
+    )
+    host: str = "127.0.0.1"
+    startup_timeout_s: float = Field(600.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _cpu_needs_explicit_kv(self) -> VllmConfig:
+        if self.device == "cpu" and self.kv_cache_memory_bytes is None:
+            raise ConfigError(
+                "vllm_cfg.kv_cache_memory_bytes must be set when vllm_cfg.device=cpu "
+                "(utilization-based sizing follows a NUMA node's memory, which drifts); "
+                "set e.g. vllm_cfg.kv_cache_memory_bytes=268435456"
+            )
+        return self
+
+
+class TokenCaptureConfig(_Block):
+    enabled: bool = False
+    control_timeout_s: float = 10.0
+    staging_partition: str = "rollout_staging"
+    control_auth_token: str | None = Field(
+        None, description="Bearer token for control routes; minted per run when unset."
+    )
+
+    @field_validator("control_timeout_s")
+    @classmethod
+    def _positive_timeout(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be > 0 seconds (got {value}); set e.g. 10")
+        return value
+
+
+class RolloutRecoveryLevelConfig(_Block):
+    target_level: Literal["none", "turn", "prefix"] = "none"
+
+
+class RolloutCheckpointingConfig(_Block):
+    snapshot_attempt_interval_s: float = 60.0
+    keep_latest_k: int = 3
+    max_consecutive_failures: int = Field(3, ge=1)
+    restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"
+
+    @field_validator("snapshot_attempt_interval_s")
+    @classmethod
+    def _positive_interval(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be > 0 seconds (got {value}); set e.g. 60")
+        return value
+
+    @field_validator("keep_latest_k")
+    @classmethod
+    def _keep_at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(
+                f"must be >= 1 (got {value}); keeping 0 snapshots leaves none to restore"
+            )
+        return value
+
+
+class CheckpointingConfig(_Block):
+    checkpoint_dir: str = Field(
+        "runs/checkpoints", description="A local path or a pyarrow.fs URI (s3://, gs://)."
+    )
+    save_data_plane: bool = False
+
+
+class GrpoConfig(_Block):
+    steps: int = Field(3, ge=1)
+    prompts_per_step: int = Field(2, ge=1)
+    generations_per_prompt: int = Field(4, ge=2)
+    learning_rate: float = Field(1e-4, gt=0.0)
+    seed: int = 0
+
+
+class RolloutRecoveryConfig(_Block):
+    """The whole job configuration (one YAML file)."""
+
+    policy: PolicyConfig = PolicyConfig()
+    vllm_cfg: VllmConfig = VllmConfig()
+    token_capture: TokenCaptureConfig = TokenCaptureConfig()
+    rollout_recovery: RolloutRecoveryLevelConfig = RolloutRecoveryLevelConfig()
+    rollout_checkpointing: RolloutCheckpointingConfig = RolloutCheckpointingConfig()
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    grpo: GrpoConfig = GrpoConfig()
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> RolloutRecoveryConfig:
+        level = self.rollout_recovery.target_level
+        if level in ("turn", "prefix") and not self.checkpointing.save_data_plane:
+            raise ConfigError(
+                f"rollout_recovery.target_level={level} needs checkpointing.save_data_plane=true "
+                "(the staged rows live in the data plane); set it, or use target_level=none"
+            )
+        if level == "prefix" and not self.token_capture.enabled:
+            raise ConfigError(
+                "rollout_recovery.target_level=prefix needs token_capture.enabled=true "
+                "(prefixes are cut from captured tokens); set it, or use target_level=turn"
+            )
+        if level == "prefix" and self.policy.generation.top_logprobs > 0:
+            raise ConfigError(
+                "rollout_recovery.target_level=prefix refuses policy.generation.top_logprobs="
+                f"{self.policy.generation.top_logprobs} (top-k logprobs are not staged with "
+                "prefixes); set policy.generation.top_logprobs=0, or use target_level=turn"
+            )
+        return self
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parts.append(f"unknown key `{key}`; remove it or check its spelling")
+        elif e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
+            parts.append(str(e["ctx"]["error"]))
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            where = f"`{key}`" if key else "config"
+            parts.append(f"{where}: {msg} (got {e.get('input')!r})")
+    return "; ".join(parts)
+
+
+def validate_config(data: dict[str, Any]) -> RolloutRecoveryConfig:
+    """Validate a plain dict; raises ConfigError with a one-line reason."""
+    try:
+        return RolloutRecoveryConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"invalid config: {_format_validation_error(err)}") from None
+
+
+def _known_key(path: list[str]) -> bool:
+    model: type[BaseModel] = RolloutRecoveryConfig
+    for part in path:
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            model = annotation
+        else:
+            return part == path[-1]
+    return True
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides; values are parsed as YAML scalars (3, true, null, [1, 2])."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+            raise ConfigError(
+                f"bad override {item!r}: write it as dotted.key=value, e.g. grpo.steps=3"
+            )
+        path = key.split(".")
+        if not _known_key(path):
+            raise ConfigError(f"bad override {item!r}: unknown key `{key}`")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as err:
+            raise ConfigError(f"bad override {item!r}: value is not valid YAML ({err})") from None
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"bad override {item!r}: `{part}` is not a block")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read one YAML file; a top-level `extends: other.yaml` is loaded first and merged under it."""
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found")
+    if path.resolve() in seen:
+        raise ConfigError(f"config file {str(path)!r} extends itself (cycle through `extends`)")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of blocks at top level")
+    base = loaded.pop("extends", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"`extends` in {str(path)!r} must be a file name, got {base!r}")
+    merged = _read_yaml(path.parent / base, (*seen, path.resolve()))
+    _deep_merge(merged, loaded)
+    return merged
+
+
+def _deep_merge(into: dict[str, Any], update: dict[str, Any]) -> None:
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> RolloutRecoveryConfig:
+    """Load YAML (or the defaults when path is None), apply overrides, validate."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    apply_overrides(data, overrides or [])
+    return validate_config(data)
+
+
+def dump_config(cfg: RolloutRecoveryConfig) -> str:
+    """YAML text that loads back to an equal config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,244 @@
+"""GenerationWorker: a Ray actor that owns one vLLM AsyncLLM and serves vLLM's OpenAI API.
+
+vLLM's own launch helpers install signal handlers, which fail off the main thread where an
+async actor runs its coroutines, so the worker assembles the same pieces itself (engine, app,
+app state, a signal-free uvicorn server) on the actor's event loop. Shutdown is explicit: stop
+HTTP, then `engine.shutdown`, then the caller kills the actor; Ray's child cleanup and the
+EngineCore's parent-death signal are the backstop when a worker dies without that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from pydantic import BaseModel
+
+from rollout_recovery.config import RolloutRecoveryConfig
+from rollout_recovery.generation.engine_setup import (
+    SUPPORTED_VLLM_SERIES,
+    engine_env,
+    serve_args,
+)
+
+
+class WorkerInfo(BaseModel):
+    """What a started worker reports about itself."""
+
+    worker_index: int
+    url: str
+    host: str
+    port: int
+    served_model_name: str
+    model: str
+    pid: int
+    engine_pids: list[int]
+    vllm_version: str
+    startup_s: float
+
+
+class WorkerHealth(BaseModel):
+    healthy: bool
+    reason: str | None = None
+    url: str
+
+
+class GenerationWorker:
+    """One vLLM engine plus its OpenAI-compatible HTTP server (an async Ray actor)."""
+
+    def __init__(self, config: dict[str, Any], worker_index: int = 0) -> None:
+        self._cfg = RolloutRecoveryConfig.model_validate(config)
+        self._index = worker_index
+        self._engine = None
+        self._server = None
+        self._tasks: list[asyncio.Task] = []
+        self._info: WorkerInfo | None = None
+
+    async def start(self) -> WorkerInfo:
+        """Build the engine and start serving; returns once a warm-up generation has run."""
+        if self._info is not None:
+            return self._info
+        t0 = time.monotonic()
+        want = engine_env(self._cfg)
+        wrong = {k: os.environ.get(k) for k, v in want.items() if os.environ.get(k) != v}
+        if wrong:
+            raise RuntimeError(
+                f"engine environment not applied ({wrong}); start workers with start_workers()"
+            )
+
+        import uvicorn
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.app import build_app
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.entrypoints.launchers.launcher import (
+            NoSignalServer,
+            create_server_socket,
+            watchdog_loop,
+        )
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if not vllm.__version__.startswith(SUPPORTED_VLLM_SERIES):
+            raise RuntimeError(
+                f"rollout_recovery needs vLLM {SUPPORTED_VLLM_SERIES}x, found {vllm.__version__}; "
+                "install the pinned version (scripts/setup.sh, or the `gpu` extra)"
+            )
+        from rollout_recovery.generation import pdeath
+        from rollout_recovery.tiny_model import resolve_model_path
+
+        pdeath.install()
+        model = resolve_model_path(self._cfg.policy.model_path)
+        host = self._cfg.vllm_cfg.host
+        sock = create_server_socket((host, 0), reuse_port=False)
+        port = sock.getsockname()[1]
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+            serve_args(self._cfg, model, host, port)
+        )
+        validate_parsed_serve_args(args)
+        engine_args = AsyncEngineArgs.from_cli_args(args)
+        usage = UsageContext.OPENAI_API_SERVER
+        # Created on the actor's event-loop thread: that thread lives as long as the actor,
+        # which the EngineCore's parent-death signal is tied to.
+        self._engine = AsyncLLM.from_vllm_config(
+            engine_args.create_engine_config(usage),
+            usage_context=usage,
+            enable_log_requests=False,
+            disable_log_stats=True,
+        )
+        tasks = await self._engine.get_supported_tasks()
+        app = build_app(args, tasks, self._engine.model_config)
+        await init_app_state(self._engine, app.state, args, tasks)
+        self._server = NoSignalServer(
+            uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
+        )
+        app.state.server = self._server
+        self._tasks = [
+            asyncio.create_task(self._server.serve(sockets=[sock])),
+            asyncio.create_task(watchdog_loop(self._server, self._engine)),
+        ]
+        while not self._server.started:
+            if self._tasks[0].done():
+                self._tasks[0].result()
+                raise RuntimeError("HTTP server exited during startup")
+            await asyncio.sleep(0.02)
+        await self._warm_up()
+        self._info = WorkerInfo(
+            worker_index=self._index,
+            url=f"http://{host}:{port}",
+            host=host,
+            port=port,
+            served_model_name=self._cfg.policy.served_model_name,
+            model=model,
+            pid=os.getpid(),
+            engine_pids=_child_pids(),
+            vllm_version=vllm.__version__,
+            startup_s=round(time.monotonic() - t0, 3),
+        )
+        return self._info
+
+    async def _warm_up(self) -> None:
+        """The first request pays a one-time ~3 s cost in the engine; pay it at startup."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        async for _ in self._engine.generate(tokens_input([0, 1]), params, "rr-warmup"):
+            pass
+
+    async def info(self) -> WorkerInfo:
+        if self._info is None:
+            raise RuntimeError("worker not started")
+        return self._info.model_copy(update={"engine_pids": _child_pids()})
+
+    async def health(self) -> WorkerHealth:
+        url = self._info.url if self._info else ""
+        if self._engine is None or self._info is None:
+            return WorkerHealth(healthy=False, reason="not_started", url=url)
+        if self._engine.errored:
+            return WorkerHealth(healthy=False, reason="engine_dead", url=url)
+        if self._tasks[0].done():
+            return WorkerHealth(healthy=False, reason="http_server_stopped", url=url)
+        try:
+            await asyncio.wait_for(self._engine.check_health(), timeout=10)
+        except Exception as err:  # reported, not raised: health is a query
+            return WorkerHealth(healthy=False, reason=f"engine_check_failed: {err!r}", url=url)
+        return WorkerHealth(healthy=True, url=url)
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop HTTP, then the engine, leaving no child process and no shared-memory segment."""
+        if self._server is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=timeout_s)
+            except (TimeoutError, asyncio.CancelledError):
+                self._tasks[0].cancel()
+            for task in self._tasks[1:]:
+                task.cancel()
+            self._server = None
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            # vLLM stops the EngineCore before cancelling its output handler, which then logs
+            # a spurious EngineDeadError; with HTTP stopped nothing waits on it, so cancel first.
+            handler = getattr(engine, "output_handler", None)
+            if handler is not None and not handler.done():
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, lambda: engine.shutdown(timeout=timeout_s))
+        self._info = None
+
+
+def _child_pids() -> list[int]:
+    import psutil
+
+    return sorted(p.pid for p in psutil.Process().children(recursive=True))
+
+
+@dataclass
+class WorkerHandle:
+    """A started worker: its actor and what it reported."""
+
+    actor: ray.actor.ActorHandle
+    info: WorkerInfo
+
+
+def worker_actor_options(cfg: RolloutRecoveryConfig) -> dict[str, Any]:
+    """Ray options for a GenerationWorker: resources, no restarts, and the engine environment."""
+    return {
+        "num_cpus": cfg.vllm_cfg.worker_num_cpus,
+        "num_gpus": 1 if cfg.vllm_cfg.device == "cuda" else 0,
+        "max_restarts": 0,
+        "runtime_env": {"env_vars": engine_env(cfg)},
+    }
+
+
+def start_workers(cfg: RolloutRecoveryConfig, num_workers: int | None = None) -> list[WorkerHandle]:
+    """Start `num_workers` (default `vllm_cfg.num_workers`) workers concurrently."""
+    n = cfg.vllm_cfg.num_workers if num_workers is None else num_workers
+    actor_cls = ray.remote(GenerationWorker).options(**worker_actor_options(cfg))
+    config = cfg.model_dump(mode="json")
+    actors = [actor_cls.remote(config, i) for i in range(n)]
+    try:
+        infos = ray.get([a.start.remote() for a in actors], timeout=cfg.vllm_cfg.startup_timeout_s)
+    except BaseException:
+        for a in actors:
+            ray.kill(a)
+        raise
+    return [WorkerHandle(actor=a, info=i) for a, i in zip(actors, infos, strict=True)]
+
+
+def stop_workers(handles: list[WorkerHandle], timeout_s: float = 60.0) -> None:
+    """Graceful shutdown of every worker, then kill the actors (even if shutdown failed)."""
+    refs = [h.actor.shutdown.remote() for h in handles]
+    try:
+        ray.get(refs, timeout=timeout_s)
+    finally:
+        for h in handles:
+            ray.kill(h.actor)

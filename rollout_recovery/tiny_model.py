@@ -1,0 +1,251 @@
+"""An offline, byte-for-byte reproducible tiny Llama with a locally trained byte-level BPE.
+
+Nothing can be downloaded from a model hub on our machines, yet every engine test needs a
+model vLLM and transformers both load. This builds one from a fixed corpus and a fixed seed:
+the same files, the same bytes, every time (for a given tokenizers/transformers version).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A small, fixed training corpus: arithmetic, short instructions and tool-call-like text, so
+# merges cover the vocabulary the project's toy tasks use.
+_CORPUS_LINES = [
+    "What is {a} + {b}? The answer is {c}.",
+    "Count the letters in the word {w}: there are {n}.",
+    "Repeat after me: {w} {w} {w}.",
+    'Call the tool add with {{"a": {a}, "b": {b}}} and report the result {c}.',
+    "The user asked about {w}; the assistant answered politely.",
+    "Question: reverse {w}. Answer: {r}.",
+]
+_WORDS = ["apple", "river", "python", "matrix", "rollout", "token", "prefix", "garden", "sunny"]
+
+
+def _corpus() -> list[str]:
+    lines = []
+    for i in range(600):
+        a, b = (i * 7) % 97, (i * 13) % 89
+        w = _WORDS[i % len(_WORDS)]
+        template = _CORPUS_LINES[i % len(_CORPUS_LINES)]
+        lines.append(template.format(a=a, b=b, c=a + b, w=w, n=len(w), r=w[::-1]))
+    lines.append("Ünïcödé façade — naïve café, 東京, emoji 🙂 stay as bytes.")
+    return lines
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the tiny model; head_dim must be >= 32 for vLLM's CPU attention."""
+
+    vocab_size: int = 512
+    hidden_size: int = 256
+    intermediate_size: int = 512
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    init_std: float = 0.05
+    seed: int = 1234
+    format_version: int = 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _train_tokenizer(spec: TinyModelSpec):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+        min_frequency=2,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer, length=None)
+    return tok
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write the model (config, safetensors weights, tokenizer, chat template) into out_dir."""
+    import torch
+    from safetensors.torch import save_file
+
+    if spec.head_dim < 32:
+        raise ValueError(f"head_dim {spec.head_dim} < 32 is not supported by vLLM's CPU backend")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Rayon's thread count does not change BPE merges, but pin it so training is single-threaded
+    # and identical on every machine.
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    tok = _train_tokenizer(spec)
+    vocab = tok.get_vocab()
+    vocab_size = len(vocab)
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n")
+    ids = {t: vocab[t] for t in SPECIAL_TOKENS}
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "model_max_length": spec.max_position_embeddings,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+            "added_tokens_decoder": {
+                str(i): {
+                    "content": t,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": True,
+                }
+                for t, i in ids.items()
+            },
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    )
+    _write_json(
+        out / "config.json",
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": vocab_size,
+            "hidden_size": spec.hidden_size,
+            "intermediate_size": spec.intermediate_size,
+            "num_hidden_layers": spec.num_hidden_layers,
+            "num_attention_heads": spec.num_attention_heads,
+            "num_key_value_heads": spec.num_key_value_heads,
+            "head_dim": spec.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": spec.max_position_embeddings,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            "torch_dtype": "float32",
+            "initializer_range": spec.init_std,
+        },
+    )
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+    )
+
+    # Weights from our own generator in a fixed order, so they do not depend on how a
+    # transformers version happens to initialise modules.
+    h, inter, kv = (
+        spec.hidden_size,
+        spec.intermediate_size,
+        spec.num_key_value_heads * spec.head_dim,
+    )
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (vocab_size, h),
+    }
+    for i in range(spec.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    gen = torch.Generator().manual_seed(spec.seed)
+    tensors = {}
+    for name in sorted(shapes):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shapes[name], dtype=torch.float32)
+        else:
+            tensors[name] = (
+                torch.randn(shapes[name], generator=gen, dtype=torch.float32) * spec.init_std
+            )
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("ROLLOUT_RECOVERY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "rollout_recovery"
+    )
+    return Path(root)
+
+
+def ensure_tiny_model(
+    cache_dir: str | Path | None = None, spec: TinyModelSpec = TinyModelSpec()
+) -> Path:
+    """Return the cached tiny model directory, building it once (safe across processes)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"tiny-llama-{spec.digest()}"
+    if (target / "model.safetensors").is_file():
+        return target
+    with open(root / ".tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "model.safetensors").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
+        try:
+            build_tiny_model(tmp, spec)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(model_path: str) -> str:
+    """Turn a validated `policy.model_path` into something vLLM's `--model` accepts."""
+    from rollout_recovery.config import HUB_MODEL_SCHEME, TINY_MODEL_SCHEME
+
+    if model_path.startswith(TINY_MODEL_SCHEME):
+        return str(ensure_tiny_model())
+    if model_path.startswith(HUB_MODEL_SCHEME):
+        return model_path.removeprefix(HUB_MODEL_SCHEME)
+    return model_path
