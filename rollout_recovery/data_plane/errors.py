@@ -1,0 +1,43 @@
+"""Named errors of the data plane. Bad input is a ValueError subclass and changes nothing."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of every data-plane error."""
+
+
+class BadInputError(StoreError, ValueError):
+    """The request itself is wrong; nothing was written."""
+
+
+class InvalidKeyError(BadInputError):
+    pass
+
+
+class UnknownPartitionError(BadInputError):
+    pass
+
+
+class SchemaMismatchError(BadInputError):
+    pass
+
+
+class SchemaVersionError(BadInputError):
+    pass
+
+
+class BatchTooLargeError(BadInputError):
+    pass
+
+
+class SnapshotError(StoreError):
+    """A snapshot could not be written, found or read."""
+
+
+class SnapshotNotFoundError(SnapshotError):
+    pass
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot is partial or a file does not match its manifest; the error names the file."""

@@ -1,0 +1,189 @@
+"""The rows of one partition on one shard: immutable Arrow batches plus a key index and leases.
+
+Pure logic (no Ray), so it can be tested directly. Every mutation is a plain synchronous call;
+the shard actor runs them on its event loop, which makes each one atomic with respect to the
+others and to a snapshot's capture.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from rollout_recovery.data_plane.errors import BadInputError
+
+SEQ_COLUMN = "_seq"
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    partition: str
+    consumer: str
+    keys: list[str]
+    expires_at: float
+
+
+@dataclass
+class CapturedPartition:
+    """A snapshot's view of a partition: references to immutable batches, rows in seq order."""
+
+    name: str
+    schema: pa.Schema
+    batches: list[pa.Table]
+    offsets: list[int]
+    positions: np.ndarray  # global row positions, in seq order
+    seqs: np.ndarray
+
+    def to_table(self) -> pa.Table:
+        base = _select(self.batches, self.offsets, self.positions, self.schema)
+        return base.append_column(SEQ_COLUMN, pa.array(self.seqs, pa.int64()))
+
+
+def _select(batches: list[pa.Table], offsets: list[int], positions: np.ndarray, schema) -> pa.Table:
+    """Rows at global positions; contiguous runs become zero-copy slices."""
+    if len(positions) == 0 or not batches:
+        return schema.empty_table()
+    combined = pa.concat_tables(batches) if len(batches) > 1 else batches[0]
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    if len(breaks) + 1 > max(8, len(positions) // 64):
+        return combined.take(pa.array(positions))
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(positions)]))
+    pieces = [
+        combined.slice(int(positions[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)
+    ]
+    return pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+
+
+@dataclass
+class PartitionTable:
+    name: str
+    schema: pa.Schema
+    batches: list[pa.Table] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # global position of each batch's row 0
+    index: dict[str, tuple[int, int]] = field(default_factory=dict)  # key -> (position, seq)
+    available: dict[str, int] = field(default_factory=dict)  # unleased keys -> seq
+    available_sorted: bool = True
+    leased: dict[str, str] = field(default_factory=dict)  # key -> lease id
+    dead_rows: int = 0
+
+    @property
+    def total_rows(self) -> int:
+        return self.offsets[-1] + self.batches[-1].num_rows if self.batches else 0
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def put(self, table: pa.Table, next_seq: int) -> tuple[int, list[str]]:
+        """Insert or replace rows; returns (rows, keys taken out of their leases)."""
+        keys = table.column("key").to_pylist()
+        if len(set(keys)) != len(keys):
+            raise BadInputError(f"put to {self.name!r}: duplicate keys in one batch")
+        base = self.total_rows
+        self.batches.append(table.combine_chunks())
+        self.offsets.append(base)
+        released = []
+        for i, key in enumerate(keys):
+            if self._drop(key):
+                released.append(key)
+            self.index[key] = (base + i, next_seq + i)
+            self.available[key] = next_seq + i
+        self._maybe_compact()
+        return len(keys), released
+
+    def _drop(self, key: str) -> bool:
+        """Remove a key's row; True if it was leased."""
+        if self.index.pop(key, None) is None:
+            return False
+        self.dead_rows += 1
+        self.available.pop(key, None)
+        return self.leased.pop(key, None) is not None
+
+    def get(self, keys: list[str]) -> tuple[pa.Table, list[str]]:
+        """Rows for the keys that exist, in the order asked; plus the missing keys."""
+        found = [self.index[k][0] for k in keys if k in self.index]
+        missing = [k for k in keys if k not in self.index]
+        positions = np.fromiter(found, dtype=np.int64, count=len(found))
+        return _select(self.batches, self.offsets, positions, self.schema), missing
+
+    def delete(self, keys: list[str]) -> tuple[int, list[str]]:
+        deleted, released = 0, []
+        for k in keys:
+            if k in self.index:
+                deleted += 1
+                if self._drop(k):
+                    released.append(k)
+        self._maybe_compact()
+        return deleted, released
+
+    def list_keys(self, prefix: str) -> list[str]:
+        return sorted(k for k in self.index if k.startswith(prefix))
+
+    def take_available(self, max_rows: int, lease_id: str) -> list[str]:
+        if not self.available_sorted:
+            self.available = dict(sorted(self.available.items(), key=lambda kv: kv[1]))
+            self.available_sorted = True
+        keys = list(itertools.islice(self.available, max_rows))
+        for k in keys:
+            del self.available[k]
+            self.leased[k] = lease_id
+        return keys
+
+    def release(self, keys: list[str], lease_id: str) -> None:
+        """Make a lease's rows available again (expired lease)."""
+        for k in keys:
+            if self.leased.get(k) == lease_id:
+                del self.leased[k]
+                self.available[k] = self.index[k][1]
+                self.available_sorted = False
+
+    def consume(self, keys: list[str], lease_id: str) -> int:
+        """Ack: delete the rows still held by this lease."""
+        n = 0
+        for k in keys:
+            if self.leased.get(k) == lease_id:
+                self._drop(k)
+                n += 1
+        self._maybe_compact()
+        return n
+
+    def capture(self) -> CapturedPartition:
+        items = sorted(self.index.values(), key=lambda ps: ps[1])
+        arr = np.array(items, dtype=np.int64).reshape(-1, 2)
+        return CapturedPartition(
+            self.name, self.schema, list(self.batches), list(self.offsets), arr[:, 0], arr[:, 1]
+        )
+
+    def load(self, table: pa.Table) -> int:
+        """Replace everything with rows read from a snapshot (carrying their seq column)."""
+        seqs = table.column(SEQ_COLUMN).to_numpy()
+        order = np.argsort(seqs, kind="stable")
+        table = table.drop_columns([SEQ_COLUMN])
+        if len(order) and np.any(np.diff(order) != 1):
+            table = table.take(pa.array(order))
+        seqs = seqs[order]
+        self.__init__(self.name, self.schema)
+        if table.num_rows:
+            self.batches, self.offsets = [table.combine_chunks()], [0]
+            keys = table.column("key").to_pylist()
+            self.index = {k: (i, int(s)) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))}
+            self.available = {k: int(s) for k, s in zip(keys, seqs, strict=True)}
+        return int(seqs.max()) + 1 if len(seqs) else 0
+
+    def _maybe_compact(self) -> None:
+        """Rewrite live rows into one batch when dead rows dominate or batches pile up."""
+        total = self.total_rows
+        if not total or (self.dead_rows * 2 <= total and len(self.batches) <= 256):
+            return
+        if not self.index:
+            self.batches, self.offsets, self.dead_rows = [], [], 0
+            return
+        keys = list(self.index)
+        positions = np.fromiter((self.index[k][0] for k in keys), np.int64, count=len(keys))
+        table = _select(self.batches, self.offsets, positions, self.schema).combine_chunks()
+        self.batches, self.offsets, self.dead_rows = [table], [0], 0
+        self.index = {k: (i, self.index[k][1]) for i, k in enumerate(keys)}

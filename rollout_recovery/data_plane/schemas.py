@@ -1,0 +1,400 @@
+"""Versioned Arrow schemas of the rows the data plane holds, and columnar builders/readers.
+
+Token arrays are `list<int32>` / `list<float32>` columns. Rows are built from numpy arrays by
+concatenation and read back as numpy views over the column buffers, so no path creates a
+Python object per token. Every schema carries its row kind and `schema_version` in its
+metadata; a reader refuses rows newer than it understands.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from rollout_recovery.data_plane.errors import SchemaMismatchError, SchemaVersionError
+
+KIND_KEY = b"rollout_recovery.row_kind"
+VERSION_KEY = b"rollout_recovery.schema_version"
+
+_TOKENS = pa.list_(pa.int32())
+_LOGPROBS = pa.list_(pa.float32())
+_MASK = pa.list_(pa.int8())
+_DIGEST = pa.binary(32)
+_SPANS = pa.list_(pa.struct([("version", pa.int64()), ("start", pa.int32()), ("end", pa.int32())]))
+
+
+def _schema(kind: str, version: int, fields: list[pa.Field]) -> pa.Schema:
+    meta = {KIND_KEY: kind.encode(), VERSION_KEY: str(version).encode()}
+    return pa.schema([pa.field("key", pa.string(), nullable=False), *fields], metadata=meta)
+
+
+CHUNK_ROW_SCHEMA = _schema(
+    "chunk_row",
+    1,
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("model_call_id", pa.string(), nullable=False),
+        pa.field("attempt", pa.int32(), nullable=False),
+        pa.field("chunk_seq", pa.int32(), nullable=False),
+        pa.field("prompt_token_ids", _TOKENS),  # only in chunk 0
+        pa.field("token_ids", _TOKENS, nullable=False),
+        pa.field("logprobs", _LOGPROBS, nullable=False),
+        pa.field("weight_version", pa.int64(), nullable=False),
+        pa.field("prev_len", pa.int32(), nullable=False),
+        pa.field("delta_len", pa.int32(), nullable=False),
+        pa.field("cum_len", pa.int32(), nullable=False),
+        pa.field("digest", _DIGEST, nullable=False),
+    ],
+)
+
+TERMINAL_ROW_SCHEMA = _schema(
+    "terminal_row",
+    1,
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("model_call_id", pa.string(), nullable=False),
+        pa.field("attempt", pa.int32(), nullable=False),
+        pa.field("prompt_token_ids", _TOKENS, nullable=False),
+        pa.field("token_ids", _TOKENS, nullable=False),
+        pa.field("logprobs", _LOGPROBS, nullable=False),
+        pa.field("loss_mask", _MASK, nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("weight_versions", _SPANS, nullable=False),
+        pa.field("digest", _DIGEST, nullable=False),
+    ],
+)
+
+REPLAY_ROW_SCHEMA = _schema(
+    "replay_row",
+    1,
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("generation_index", pa.int32(), nullable=False),
+        pa.field("prompt_len", pa.int32(), nullable=False),
+        pa.field("token_ids", _TOKENS, nullable=False),
+        pa.field("loss_mask", _MASK, nullable=False),
+        pa.field("logprobs", _LOGPROBS, nullable=False),
+        pa.field("reward", pa.float64(), nullable=False),
+        pa.field("weight_version_min", pa.int64(), nullable=False),
+        pa.field("weight_version_max", pa.int64(), nullable=False),
+    ],
+)
+
+SCHEMAS: dict[str, pa.Schema] = {
+    "chunk_row": CHUNK_ROW_SCHEMA,
+    "terminal_row": TERMINAL_ROW_SCHEMA,
+    "replay_row": REPLAY_ROW_SCHEMA,
+}
+
+
+def row_kind(schema: pa.Schema) -> str | None:
+    meta = schema.metadata or {}
+    return meta[KIND_KEY].decode() if KIND_KEY in meta else None
+
+
+def schema_version(schema: pa.Schema) -> int | None:
+    meta = schema.metadata or {}
+    return int(meta[VERSION_KEY]) if VERSION_KEY in meta else None
+
+
+def check_version(kind: str, version: int | None, where: str) -> None:
+    """Refuse rows written by a newer schema than this reader knows."""
+    known = schema_version(SCHEMAS[kind])
+    if version is not None and known is not None and version > known:
+        raise SchemaVersionError(
+            f"{where}: {kind} rows are schema v{version}, this reader knows up to v{known}; "
+            "upgrade rollout_recovery to read them"
+        )
+
+
+def conform(table: pa.Table | pa.RecordBatch, expected: pa.Schema, where: str) -> pa.Table:
+    """Check a batch against a partition's schema; returns it with the canonical schema.
+
+    Names and types must match exactly (no silent casts that could change token values).
+    """
+    if isinstance(table, pa.RecordBatch):
+        table = pa.Table.from_batches([table])
+    if not isinstance(table, pa.Table):
+        raise SchemaMismatchError(f"{where}: expected a pyarrow Table, got {type(table).__name__}")
+    kind = row_kind(expected)
+    got_kind = row_kind(table.schema)
+    if got_kind is not None and got_kind != kind:
+        raise SchemaMismatchError(f"{where}: rows are {got_kind}, this partition holds {kind}")
+    if kind is not None:
+        check_version(kind, schema_version(table.schema), where)
+    got = {f.name: f for f in table.schema}
+    missing = [f.name for f in expected if f.name not in got]
+    extra = [n for n in got if expected.get_field_index(n) < 0]
+    if missing or extra:
+        raise SchemaMismatchError(
+            f"{where}: columns do not match the {kind or 'partition'} schema"
+            + (f"; missing {missing}" if missing else "")
+            + (f"; unexpected {extra}" if extra else "")
+        )
+    for f in expected:
+        if not got[f.name].type.equals(f.type):
+            raise SchemaMismatchError(
+                f"{where}: column `{f.name}` has type {got[f.name].type}, expected {f.type}"
+            )
+        if not f.nullable and table.column(f.name).null_count:
+            raise SchemaMismatchError(f"{where}: column `{f.name}` has nulls")
+    table = table.select([f.name for f in expected])
+    if table.schema.equals(expected, check_metadata=True):
+        return table
+    # Same names and types: relabel (zero-copy) with the canonical nullability and metadata.
+    return pa.Table.from_arrays(table.columns, schema=expected)
+
+
+# ---------------------------------------------------------------- numpy views and builders
+
+
+def list_column(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column as numpy views; a copy only if it is chunked."""
+    col = table.column(name)
+    arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    if isinstance(arr, pa.ChunkedArray):  # empty table
+        arr = pa.array([], type=col.type)
+    offsets = arr.offsets.to_numpy(zero_copy_only=False)
+    values = arr.values.to_numpy(zero_copy_only=False)
+    return offsets, values
+
+
+def list_rows(table: pa.Table, name: str) -> list[np.ndarray]:
+    """One numpy view per row of a list column (no per-token objects)."""
+    offsets, values = list_column(table, name)
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def list_array(rows: list, dtype: str, nullable_rows: bool = False) -> pa.Array:
+    """Build list<dtype> from per-row numpy arrays by one concatenation."""
+    pa_type = pa.from_numpy_dtype(np.dtype(dtype))
+    present = [r for r in rows if r is not None]
+    lengths = np.fromiter((len(r) for r in present), dtype=np.int64, count=len(present))
+    values = (
+        np.concatenate([np.asarray(r, dtype=dtype) for r in present])
+        if present
+        else np.empty(0, dtype=dtype)
+    )
+    if not nullable_rows or len(present) == len(rows):
+        offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa_type))
+    all_lengths = np.array([0 if r is None else len(r) for r in rows], dtype=np.int64)
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(all_lengths, out=offsets[1:])
+    mask = pa.array([r is None for r in rows])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, type=pa_type), mask=mask)
+
+
+@dataclass
+class ChunkRow:
+    """One staged piece of a call's prefix (chunk 0 also holds the prompt ids)."""
+
+    key: str
+    rollout_id: str
+    model_call_id: str
+    attempt: int
+    chunk_seq: int
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    weight_version: int
+    prev_len: int
+    digest: bytes
+    prompt_token_ids: np.ndarray | None = None
+
+    @property
+    def delta_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def cum_len(self) -> int:
+        return self.prev_len + len(self.token_ids)
+
+
+@dataclass
+class TerminalRow:
+    """The canonical row of a finished call; it replaces the call's chunk rows."""
+
+    key: str
+    rollout_id: str
+    model_call_id: str
+    attempt: int
+    prompt_token_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    loss_mask: np.ndarray
+    finish_reason: str
+    weight_versions: list[tuple[int, int, int]]
+    digest: bytes
+
+
+@dataclass
+class ReplayRow:
+    """A finished rollout ready for training."""
+
+    key: str
+    rollout_id: str
+    group_id: str
+    generation_index: int
+    prompt_len: int
+    token_ids: np.ndarray
+    loss_mask: np.ndarray
+    logprobs: np.ndarray
+    reward: float
+    weight_version_min: int
+    weight_version_max: int
+
+
+def chunk_rows_to_table(rows: list[ChunkRow]) -> pa.Table:
+    return pa.Table.from_arrays(
+        [
+            pa.array([r.key for r in rows], pa.string()),
+            pa.array([r.rollout_id for r in rows], pa.string()),
+            pa.array([r.model_call_id for r in rows], pa.string()),
+            pa.array([r.attempt for r in rows], pa.int32()),
+            pa.array([r.chunk_seq for r in rows], pa.int32()),
+            list_array([r.prompt_token_ids for r in rows], "int32", nullable_rows=True),
+            list_array([r.token_ids for r in rows], "int32"),
+            list_array([r.logprobs for r in rows], "float32"),
+            pa.array([r.weight_version for r in rows], pa.int64()),
+            pa.array([r.prev_len for r in rows], pa.int32()),
+            pa.array([r.delta_len for r in rows], pa.int32()),
+            pa.array([r.cum_len for r in rows], pa.int32()),
+            pa.array([r.digest for r in rows], _DIGEST),
+        ],
+        schema=CHUNK_ROW_SCHEMA,
+    )
+
+
+def table_to_chunk_rows(table: pa.Table) -> list[ChunkRow]:
+    table = conform(table, CHUNK_ROW_SCHEMA, "chunk rows")
+    cols = {n: table.column(n).to_pylist() for n in _SCALARS_CHUNK}
+    prompts = _nullable_list_rows(table, "prompt_token_ids")
+    toks, lps = list_rows(table, "token_ids"), list_rows(table, "logprobs")
+    return [
+        ChunkRow(
+            key=cols["key"][i],
+            rollout_id=cols["rollout_id"][i],
+            model_call_id=cols["model_call_id"][i],
+            attempt=cols["attempt"][i],
+            chunk_seq=cols["chunk_seq"][i],
+            token_ids=toks[i],
+            logprobs=lps[i],
+            weight_version=cols["weight_version"][i],
+            prev_len=cols["prev_len"][i],
+            digest=cols["digest"][i],
+            prompt_token_ids=prompts[i],
+        )
+        for i in range(table.num_rows)
+    ]
+
+
+_SCALARS_CHUNK = (
+    "key",
+    "rollout_id",
+    "model_call_id",
+    "attempt",
+    "chunk_seq",
+    "weight_version",
+    "prev_len",
+    "digest",
+)
+
+
+def _nullable_list_rows(table: pa.Table, name: str) -> list[np.ndarray | None]:
+    valid = table.column(name).is_valid().to_numpy(zero_copy_only=False)
+    rows = list_rows(table, name)
+    return [rows[i] if valid[i] else None for i in range(len(rows))]
+
+
+def terminal_rows_to_table(rows: list[TerminalRow]) -> pa.Table:
+    return pa.Table.from_arrays(
+        [
+            pa.array([r.key for r in rows], pa.string()),
+            pa.array([r.rollout_id for r in rows], pa.string()),
+            pa.array([r.model_call_id for r in rows], pa.string()),
+            pa.array([r.attempt for r in rows], pa.int32()),
+            list_array([r.prompt_token_ids for r in rows], "int32"),
+            list_array([r.token_ids for r in rows], "int32"),
+            list_array([r.logprobs for r in rows], "float32"),
+            list_array([r.loss_mask for r in rows], "int8"),
+            pa.array([r.finish_reason for r in rows], pa.string()),
+            pa.array(
+                [
+                    [{"version": v, "start": s, "end": e} for v, s, e in r.weight_versions]
+                    for r in rows
+                ],
+                _SPANS,
+            ),
+            pa.array([r.digest for r in rows], _DIGEST),
+        ],
+        schema=TERMINAL_ROW_SCHEMA,
+    )
+
+
+def table_to_terminal_rows(table: pa.Table) -> list[TerminalRow]:
+    table = conform(table, TERMINAL_ROW_SCHEMA, "terminal rows")
+    sc = {
+        n: table.column(n).to_pylist()
+        for n in ("key", "rollout_id", "model_call_id", "attempt", "finish_reason", "digest")
+    }
+    spans = table.column("weight_versions").to_pylist()
+    lists = {
+        n: list_rows(table, n) for n in ("prompt_token_ids", "token_ids", "logprobs", "loss_mask")
+    }
+    return [
+        TerminalRow(
+            key=sc["key"][i],
+            rollout_id=sc["rollout_id"][i],
+            model_call_id=sc["model_call_id"][i],
+            attempt=sc["attempt"][i],
+            prompt_token_ids=lists["prompt_token_ids"][i],
+            token_ids=lists["token_ids"][i],
+            logprobs=lists["logprobs"][i],
+            loss_mask=lists["loss_mask"][i],
+            finish_reason=sc["finish_reason"][i],
+            weight_versions=[(s["version"], s["start"], s["end"]) for s in spans[i]],
+            digest=sc["digest"][i],
+        )
+        for i in range(table.num_rows)
+    ]
+
+
+_REPLAY_SCALARS = (
+    "key",
+    "rollout_id",
+    "group_id",
+    "generation_index",
+    "prompt_len",
+    "reward",
+    "weight_version_min",
+    "weight_version_max",
+)
+
+
+def replay_rows_to_table(rows: list[ReplayRow]) -> pa.Table:
+    types = {f.name: f.type for f in REPLAY_ROW_SCHEMA}
+    arrays = []
+    for f in REPLAY_ROW_SCHEMA:
+        if f.name in ("token_ids", "loss_mask", "logprobs"):
+            dtype = {"token_ids": "int32", "loss_mask": "int8", "logprobs": "float32"}[f.name]
+            arrays.append(list_array([getattr(r, f.name) for r in rows], dtype))
+        else:
+            arrays.append(pa.array([getattr(r, f.name) for r in rows], types[f.name]))
+    return pa.Table.from_arrays(arrays, schema=REPLAY_ROW_SCHEMA)
+
+
+def table_to_replay_rows(table: pa.Table) -> list[ReplayRow]:
+    table = conform(table, REPLAY_ROW_SCHEMA, "replay rows")
+    sc = {n: table.column(n).to_pylist() for n in _REPLAY_SCALARS}
+    lists = {n: list_rows(table, n) for n in ("token_ids", "loss_mask", "logprobs")}
+    return [
+        ReplayRow(
+            **{n: sc[n][i] for n in _REPLAY_SCALARS},
+            **{n: lists[n][i] for n in lists},
+        )
+        for i in range(table.num_rows)
+    ]

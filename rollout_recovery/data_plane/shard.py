@@ -1,0 +1,219 @@
+"""StoreShard: one Ray actor holding the rows whose keys hash to it.
+
+An async actor: every mutation is synchronous code on its event loop (atomic), while snapshot
+file writing and restore reading run in a thread so puts and gets go on meanwhile. Rows arrive
+and leave as Arrow tables, which Ray moves through its shared-memory object store without a
+per-token copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pyarrow as pa
+
+from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
+from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
+from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
+from rollout_recovery.data_plane.snapshot_io import (
+    FileEntry,
+    LeaseEntry,
+    join,
+    read_verified,
+    resolve,
+    write_table_checksummed,
+)
+
+# Fault injection for tests: seconds to sleep after each snapshot file is written.
+FAULT_SLEEP_ENV = "ROLLOUT_RECOVERY_FAULT_SNAPSHOT_SLEEP_S"
+
+
+def shard_of(key: str, num_shards: int) -> int:
+    """Stable key-hash placement (same in every process and across restarts)."""
+    import zlib
+
+    return zlib.crc32(key.encode()) % num_shards if num_shards > 1 else 0
+
+
+class StoreShard:
+    def __init__(self, shard_index: int, num_shards: int, partitions: dict[str, str]) -> None:
+        self.shard_index = shard_index
+        self.num_shards = num_shards
+        self.partitions = {
+            name: PartitionTable(name, SCHEMAS[kind]) for name, kind in partitions.items()
+        }
+        self.kinds = dict(partitions)
+        self.leases: dict[str, Lease] = {}
+        self.next_seq = 0
+        self._pending_restore: dict[str, pa.Table] | None = None
+
+    def _part(self, name: str) -> PartitionTable:
+        try:
+            return self.partitions[name]
+        except KeyError:
+            raise UnknownPartitionError(
+                f"unknown partition {name!r}; known: {sorted(self.partitions)}"
+            ) from None
+
+    def _unlease(self, keys: list[str]) -> None:
+        for key in keys:
+            for lease in self.leases.values():
+                if key in lease.keys:
+                    lease.keys.remove(key)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for lease_id in [i for i, le in self.leases.items() if le.expires_at <= now]:
+            lease = self.leases.pop(lease_id)
+            self.partitions[lease.partition].release(lease.keys, lease_id)
+
+    # ------------------------------------------------------------------ rows
+
+    async def put(self, partition: str, table: pa.Table) -> int:
+        part = self._part(partition)
+        table = conform(table, part.schema, f"put to {partition!r}")
+        n, released = part.put(table, self.next_seq)
+        self.next_seq += n
+        self._unlease(released)
+        return n
+
+    async def get(self, partition: str, keys: list[str]) -> tuple[pa.Table, list[str]]:
+        return self._part(partition).get(keys)
+
+    async def delete(self, partition: str, keys: list[str]) -> int:
+        n, released = self._part(partition).delete(keys)
+        self._unlease(released)
+        return n
+
+    async def list_keys(self, partition: str, prefix: str) -> list[str]:
+        return self._part(partition).list_keys(prefix)
+
+    async def lease(
+        self, partition: str, consumer: str, max_rows: int, ttl_s: float, lease_id: str
+    ) -> pa.Table:
+        part = self._part(partition)
+        self._expire()
+        keys = part.take_available(max_rows, lease_id)
+        if keys:
+            self.leases[lease_id] = Lease(
+                lease_id, partition, consumer, keys, time.monotonic() + ttl_s
+            )
+        return part.get(keys)[0]
+
+    async def ack(self, lease_id: str) -> int:
+        self._expire()
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return 0
+        return self.partitions[lease.partition].consume(lease.keys, lease_id)
+
+    async def stats(self) -> dict[str, dict[str, int]]:
+        self._expire()
+        return {
+            name: {"rows": len(p), "leased": len(p.leased), "batches": len(p.batches)}
+            for name, p in self.partitions.items()
+        }
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def snapshot(self, snapshot_dir_uri: str) -> tuple[list[FileEntry], list[LeaseEntry]]:
+        """Capture this shard atomically, then write its files off the event loop."""
+        self._expire()
+        captured = [p.capture() for p in self.partitions.values()]
+        leases = [
+            LeaseEntry(
+                lease_id=le.lease_id,
+                partition=le.partition,
+                consumer=le.consumer,
+                shard=self.shard_index,
+                keys=list(le.keys),
+            )
+            for le in self.leases.values()
+            if le.keys
+        ]
+        loop = asyncio.get_running_loop()
+        files = await loop.run_in_executor(None, self._write_files, snapshot_dir_uri, captured)
+        return files, leases
+
+    def _write_files(self, snapshot_dir_uri: str, captured: list[CapturedPartition]):
+        fs, root = resolve(snapshot_dir_uri)
+        sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
+        files = []
+        for cap in captured:
+            table = cap.to_table()
+            rel = f"shard-{self.shard_index:03d}/{cap.name}.arrow"
+            sha, size = write_table_checksummed(fs, join(root, rel), table)
+            kind = self.kinds[cap.name]
+            files.append(
+                FileEntry(
+                    path=rel,
+                    partition=cap.name,
+                    shard=self.shard_index,
+                    row_kind=kind,
+                    schema_version=int(SCHEMAS[kind].metadata[b"rollout_recovery.schema_version"]),
+                    rows=table.num_rows,
+                    bytes=size,
+                    sha256=sha,
+                )
+            )
+            if sleep_s:
+                time.sleep(sleep_s)
+        return files
+
+    async def restore_prepare(
+        self, snapshot_dir_uri: str, files: list[FileEntry], num_shards_written: int
+    ) -> int:
+        """Read and verify this shard's rows from a snapshot, staged until commit."""
+        loop = asyncio.get_running_loop()
+        staged = await loop.run_in_executor(
+            None, self._read_files, snapshot_dir_uri, files, num_shards_written
+        )
+        self._pending_restore = staged
+        return sum(t.num_rows for t in staged.values())
+
+    def _read_files(self, snapshot_dir_uri: str, files: list[FileEntry], num_shards_written: int):
+        fs, root = resolve(snapshot_dir_uri)
+        tables: dict[str, list[pa.Table]] = {name: [] for name in self.partitions}
+        for entry in files:
+            if entry.partition not in self.partitions:
+                raise SnapshotCorruptError(
+                    f"snapshot file {entry.path} is for partition {entry.partition!r}, "
+                    f"which this store does not have"
+                )
+            check_version(entry.row_kind, entry.schema_version, f"snapshot file {entry.path}")
+            table = read_verified(fs, root, entry)
+            if num_shards_written != self.num_shards:
+                keys = table.column("key").to_pylist()
+                mine = [
+                    i
+                    for i, k in enumerate(keys)
+                    if shard_of(k, self.num_shards) == self.shard_index
+                ]
+                table = table.take(pa.array(mine, pa.int64()))
+            tables[entry.partition].append(table)
+        out = {}
+        for name, parts in tables.items():
+            schema = self.partitions[name].schema
+            if parts:
+                table = pa.concat_tables(parts)
+                body = conform(table.drop_columns(["_seq"]), schema, f"snapshot of {name!r}")
+                out[name] = body.append_column("_seq", table.column("_seq"))
+        return out
+
+    async def restore_commit(self) -> None:
+        if self._pending_restore is None:
+            raise RuntimeError("restore_commit without a prepared restore")
+        staged, self._pending_restore = self._pending_restore, None
+        self.leases.clear()
+        next_seq = 0
+        for name, part in self.partitions.items():
+            if name in staged:
+                next_seq = max(next_seq, part.load(staged[name]))
+            else:
+                part.__init__(name, part.schema)
+        self.next_seq = next_seq
+
+    async def restore_abort(self) -> None:
+        self._pending_restore = None

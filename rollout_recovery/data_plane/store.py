@@ -1,0 +1,398 @@
+"""StagingStore: the client of a sharded Arrow data plane on Ray, usable from sync and async code.
+
+Each operation is planned once (validate, split by shard, issue actor calls) and then either
+awaited (`a*` methods) or waited on (`ray.get`); validation happens before any shard is
+touched, so bad input writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import ray
+
+from rollout_recovery.data_plane.errors import (
+    BadInputError,
+    BatchTooLargeError,
+    InvalidKeyError,
+    SnapshotCorruptError,
+    UnknownPartitionError,
+)
+from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
+from rollout_recovery.data_plane.shard import StoreShard, shard_of
+from rollout_recovery.data_plane.snapshot_io import (
+    Manifest,
+    ManifestBody,
+    child_uri,
+    gc,
+    latest_uri,
+    new_snapshot_dir,
+    now_iso,
+    publish_manifest,
+    read_manifest,
+    resolve,
+)
+
+KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9._/-]*$")
+DEFAULT_PARTITIONS = {
+    "rollout_staging": "chunk_row",
+    "rollout_terminal": "terminal_row",
+    "replay": "replay_row",
+}
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    max_batch_rows: int = 65_536
+    max_batch_bytes: int = 1 << 30
+    max_key_len: int = 512
+
+
+@dataclass
+class LeaseResult:
+    lease_id: str
+    rows: pa.Table
+
+
+@dataclass
+class SnapshotResult:
+    uri: str
+    manifest: Manifest
+
+
+def validate_key(key: str, limits: StoreLimits = StoreLimits()) -> None:
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key) or len(key) > limits.max_key_len:
+        raise InvalidKeyError(
+            f"invalid key {key!r}: keys match ^[A-Za-z0-9][A-Za-z0-9._/-]*$ "
+            f"and are at most {limits.max_key_len} characters"
+        )
+
+
+class _Plan:
+    """Actor calls of one operation plus how to combine their results."""
+
+    def __init__(self, refs: list, finish: Callable[[list], Any]) -> None:
+        self.refs, self.finish = refs, finish
+
+    def wait(self, timeout: float | None) -> Any:
+        return self.finish(ray.get(self.refs, timeout=timeout))
+
+    async def wait_async(self) -> Any:
+        return self.finish(list(await asyncio.gather(*self.refs)))
+
+
+class StagingStore:
+    """Named partitions of typed Arrow rows on S shard actors (key-hash placement)."""
+
+    def __init__(
+        self,
+        shards: Sequence[ray.actor.ActorHandle],
+        partitions: dict[str, str],
+        limits: StoreLimits = StoreLimits(),
+        timeout_s: float | None = 300.0,
+    ) -> None:
+        self.shards = list(shards)
+        self.partitions = dict(partitions)
+        self.limits = limits
+        self.timeout_s = timeout_s
+
+    @classmethod
+    def create(
+        cls,
+        num_shards: int = 1,
+        partitions: dict[str, str] | None = None,
+        limits: StoreLimits = StoreLimits(),
+        name: str | None = None,
+        num_cpus: float = 0,
+        actor_options: dict[str, Any] | None = None,
+    ) -> StagingStore:
+        """Start `num_shards` shard actors (named `<name>.shard-<i>` if name is given).
+
+        `actor_options` go to Ray as they are (e.g. a runtime_env with object-store credentials).
+        """
+        if num_shards < 1:
+            raise ValueError("num_shards must be >= 1")
+        partitions = dict(partitions or DEFAULT_PARTITIONS)
+        for pname, kind in partitions.items():
+            if kind not in SCHEMAS:
+                raise ValueError(f"partition {pname!r}: unknown row kind {kind!r}")
+            validate_key(pname)
+        actor = ray.remote(StoreShard)
+        shards = []
+        for i in range(num_shards):
+            opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 64}
+            opts |= actor_options or {}
+            if name:
+                opts |= {"name": f"{name}.shard-{i}", "lifetime": "detached"}
+            shards.append(actor.options(**opts).remote(i, num_shards, partitions))
+        ray.get([s.stats.remote() for s in shards])
+        return cls(shards, partitions, limits)
+
+    @classmethod
+    def connect(cls, name: str, num_shards: int, partitions: dict[str, str] | None = None):
+        shards = [ray.get_actor(f"{name}.shard-{i}") for i in range(num_shards)]
+        return cls(shards, dict(partitions or DEFAULT_PARTITIONS))
+
+    def shutdown(self) -> None:
+        for s in self.shards:
+            ray.kill(s)
+
+    # ------------------------------------------------------------------ planning
+
+    def _check_partition(self, partition: str) -> pa.Schema:
+        if partition not in self.partitions:
+            raise UnknownPartitionError(
+                f"unknown partition {partition!r}; known: {sorted(self.partitions)}"
+            )
+        return SCHEMAS[self.partitions[partition]]
+
+    def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        if isinstance(keys, str):
+            raise BadInputError("keys must be a list of strings, not one string")
+        keys = list(keys)
+        for k in keys:
+            validate_key(k, self.limits)
+        return keys
+
+    def _split(self, keys: list[str]) -> list[list[int]]:
+        groups: list[list[int]] = [[] for _ in self.shards]
+        for i, k in enumerate(keys):
+            groups[shard_of(k, len(self.shards))].append(i)
+        return groups
+
+    def _plan_put(self, partition: str, table: pa.Table | pa.RecordBatch) -> _Plan:
+        schema = self._check_partition(partition)
+        table = conform(table, schema, f"put to {partition!r}")
+        if table.num_rows > self.limits.max_batch_rows:
+            raise BatchTooLargeError(
+                f"put to {partition!r}: {table.num_rows} rows > max_batch_rows "
+                f"{self.limits.max_batch_rows}; split the batch"
+            )
+        if table.nbytes > self.limits.max_batch_bytes:
+            raise BatchTooLargeError(
+                f"put to {partition!r}: {table.nbytes} bytes > max_batch_bytes "
+                f"{self.limits.max_batch_bytes}; split the batch"
+            )
+        keys = self._check_keys(table.column("key").to_pylist())
+        if len(set(keys)) != len(keys):
+            raise BadInputError(f"put to {partition!r}: duplicate keys in one batch")
+        if len(self.shards) == 1:
+            return _Plan([self.shards[0].put.remote(partition, table)], sum)
+        refs = []
+        for shard, rows in zip(self.shards, self._split(keys), strict=True):
+            if rows:
+                part = table.take(pa.array(rows, pa.int64()))
+                refs.append(shard.put.remote(partition, part))
+        return _Plan(refs, sum)
+
+    def _plan_get(self, partition: str, keys: Sequence[str]) -> _Plan:
+        schema = self._check_partition(partition)
+        keys = self._check_keys(keys)
+        groups = self._split(keys)
+        refs, order = [], []
+        for shard, rows in zip(self.shards, groups, strict=True):
+            if rows:
+                refs.append(shard.get.remote(partition, [keys[i] for i in rows]))
+                order.append(rows)
+
+        def finish(results: list) -> tuple[pa.Table, list[str]]:
+            missing = [k for _, miss in results for k in miss]
+            tables = [t for t, _ in results]
+            if len(tables) <= 1:
+                return (tables[0] if tables else schema.empty_table()), missing
+            table = pa.concat_tables(tables)
+            # Restore the caller's order across shards.
+            found = set(missing)
+            wanted = [keys[i] for rows in order for i in rows if keys[i] not in found]
+            pos = {k: i for i, k in enumerate(wanted)}
+            idx = [pos[k] for k in keys if k in pos]
+            return table.take(pa.array(idx, pa.int64())), missing
+
+        return _Plan(refs, finish)
+
+    def _plan_delete(self, partition: str, keys: Sequence[str]) -> _Plan:
+        self._check_partition(partition)
+        keys = self._check_keys(keys)
+        refs = [
+            shard.delete.remote(partition, [keys[i] for i in rows])
+            for shard, rows in zip(self.shards, self._split(keys), strict=True)
+            if rows
+        ]
+        return _Plan(refs, sum)
+
+    def _plan_list(self, partition: str, prefix: str) -> _Plan:
+        self._check_partition(partition)
+        if not isinstance(prefix, str) or not _PREFIX_RE.fullmatch(prefix):
+            raise InvalidKeyError(f"invalid key prefix {prefix!r}")
+        refs = [s.list_keys.remote(partition, prefix) for s in self.shards]
+        return _Plan(refs, lambda res: sorted(k for keys in res for k in keys))
+
+    def _plan_lease(
+        self, partition: str, consumer: str, max_rows: int, ttl_s: float, lease_id: str
+    ) -> _Plan:
+        """Ask every shard for its share; the lease id is shared across shards."""
+        schema = self._check_partition(partition)
+        validate_key(consumer, self.limits)
+        if max_rows < 1 or ttl_s <= 0:
+            raise BadInputError("lease needs max_rows >= 1 and ttl_s > 0")
+        n = len(self.shards)
+        shares = [max_rows // n + (1 if i < max_rows % n else 0) for i in range(n)]
+        refs = [
+            s.lease.remote(partition, consumer, share, ttl_s, lease_id)
+            for s, share in zip(self.shards, shares, strict=True)
+            if share
+        ]
+
+        def finish(tables: list) -> LeaseResult:
+            tables = [t for t in tables if t.num_rows]
+            rows = pa.concat_tables(tables) if tables else schema.empty_table()
+            return LeaseResult(lease_id, rows)
+
+        return _Plan(refs, finish)
+
+    def _plan_ack(self, lease_id: str) -> _Plan:
+        return _Plan([s.ack.remote(lease_id) for s in self.shards], sum)
+
+    # ------------------------------------------------------------------ sync API
+
+    def put(self, partition: str, table: pa.Table | pa.RecordBatch) -> int:
+        """Insert or replace rows by key; returns once every row is visible to every reader."""
+        return self._plan_put(partition, table).wait(self.timeout_s)
+
+    def get(self, partition: str, keys: Sequence[str]) -> tuple[pa.Table, list[str]]:
+        """Rows for the keys, in the order asked, and the keys that were not found."""
+        return self._plan_get(partition, keys).wait(self.timeout_s)
+
+    def delete(self, partition: str, keys: Sequence[str]) -> int:
+        return self._plan_delete(partition, keys).wait(self.timeout_s)
+
+    def list(self, partition: str, prefix: str = "") -> list[str]:
+        return self._plan_list(partition, prefix).wait(self.timeout_s)
+
+    def lease(
+        self, partition: str, consumer: str, max_rows: int, ttl_s: float = 60.0
+    ) -> LeaseResult:
+        """Lease up to max_rows unleased rows (oldest first per shard) until ack or ttl."""
+        plan = self._plan_lease(partition, consumer, max_rows, ttl_s, uuid.uuid4().hex)
+        return plan.wait(self.timeout_s)
+
+    def ack(self, lease_id: str) -> int:
+        """Consume a lease's rows; returns how many. A second ack (or an expired lease) is 0."""
+        return self._plan_ack(lease_id).wait(self.timeout_s)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for shard_stats in ray.get([s.stats.remote() for s in self.shards]):
+            for part, counts in shard_stats.items():
+                acc = out.setdefault(part, {})
+                for k, v in counts.items():
+                    acc[k] = acc.get(k, 0) + v
+        return out
+
+    # ------------------------------------------------------------------ async API
+
+    async def aput(self, partition: str, table: pa.Table | pa.RecordBatch) -> int:
+        return await self._plan_put(partition, table).wait_async()
+
+    async def aget(self, partition: str, keys: Sequence[str]) -> tuple[pa.Table, list[str]]:
+        return await self._plan_get(partition, keys).wait_async()
+
+    async def adelete(self, partition: str, keys: Sequence[str]) -> int:
+        return await self._plan_delete(partition, keys).wait_async()
+
+    async def alist(self, partition: str, prefix: str = "") -> list[str]:
+        return await self._plan_list(partition, prefix).wait_async()
+
+    async def alease(
+        self, partition: str, consumer: str, max_rows: int, ttl_s: float = 60.0
+    ) -> LeaseResult:
+        plan = self._plan_lease(partition, consumer, max_rows, ttl_s, uuid.uuid4().hex)
+        return await plan.wait_async()
+
+    async def aack(self, lease_id: str) -> int:
+        return await self._plan_ack(lease_id).wait_async()
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot(self, root_uri: str, meta: dict[str, str] | None = None) -> SnapshotResult:
+        """Write a consistent copy of every shard under root_uri and publish it (manifest last).
+
+        Every put that returned before this call is in it; each shard is captured atomically.
+        """
+        fs, root = resolve(root_uri)
+        seq, path = new_snapshot_dir(fs, root)
+        uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
+        results = ray.get([s.snapshot.remote(uri) for s in self.shards], timeout=self.timeout_s)
+        files = [f for fs_, _ in results for f in fs_]
+        leases = [le for _, ls in results for le in ls]
+        body = ManifestBody(
+            snapshot_id=path.rstrip("/").rsplit("-", 1)[-1],
+            seq=seq,
+            created_at=now_iso(),
+            num_shards=len(self.shards),
+            partitions=self.partitions,
+            files=files,
+            leases=leases,
+            payload_bytes=sum(f.bytes for f in files),
+            meta=dict(meta or {}),
+        )
+        return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body))
+
+    def restore(self, snapshot_uri: str) -> Manifest:
+        """Replace the store's contents with a verified snapshot; a bad one changes nothing.
+
+        Leases are not restored: rows leased but unacked at snapshot time are delivered again.
+        """
+        fs, path = resolve(snapshot_uri)
+        manifest = read_manifest(fs, path)
+        body = manifest.body
+        for pname, kind in body.partitions.items():
+            if pname not in self.partitions or self.partitions[pname] != kind:
+                raise SnapshotCorruptError(
+                    f"snapshot partition {pname!r} ({kind}) does not match this store's "
+                    f"partitions {self.partitions}"
+                )
+        for f in body.files:
+            check_version(f.row_kind, f.schema_version, f"snapshot file {f.path}")
+        if body.num_shards == len(self.shards):
+            per_shard = [[f for f in body.files if f.shard == i] for i in range(len(self.shards))]
+        else:
+            per_shard = [list(body.files) for _ in self.shards]
+        refs = [
+            s.restore_prepare.remote(snapshot_uri, files, body.num_shards)
+            for s, files in zip(self.shards, per_shard, strict=True)
+        ]
+        try:
+            ray.get(refs, timeout=self.timeout_s)
+        except Exception as err:
+            ray.get([s.restore_abort.remote() for s in self.shards])
+            cause = getattr(err, "cause", None) or err
+            if isinstance(cause, SnapshotCorruptError | BadInputError):
+                raise cause from None
+            raise
+        ray.get([s.restore_commit.remote() for s in self.shards])
+        return manifest
+
+    async def asnapshot(self, root_uri: str, meta: dict[str, str] | None = None) -> SnapshotResult:
+        return await asyncio.to_thread(self.snapshot, root_uri, meta)
+
+    async def arestore(self, snapshot_uri: str) -> Manifest:
+        return await asyncio.to_thread(self.restore, snapshot_uri)
+
+    @staticmethod
+    def latest(root_uri: str) -> str | None:
+        """URI of the newest published snapshot under root_uri (unpublished ones are ignored)."""
+        return latest_uri(root_uri)
+
+    @staticmethod
+    def gc(root_uri: str, keep_latest_k: int) -> list[str]:
+        """Keep the newest keep_latest_k published snapshots; drop older and abandoned ones."""
+        fs, root = resolve(root_uri)
+        return gc(fs, root, keep_latest_k)
