@@ -168,7 +168,10 @@ class PartitionTable:
         seqs = seqs[order]
         self.__init__(self.name, self.schema)
         if table.num_rows:
-            self.batches, self.offsets = [table.combine_chunks()], [0]
+            # Keep the snapshot's segments as batches: combining them would copy every row.
+            for batch in table.to_batches():
+                self.offsets.append(self.total_rows)
+                self.batches.append(pa.Table.from_batches([batch]))
             keys = table.column("key").to_pylist()
             self.index = {k: (i, int(s)) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))}
             self.available = {k: int(s) for k, s in zip(keys, seqs, strict=True)}

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
 from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
 from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
-from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
+from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform, schema_version
 from rollout_recovery.data_plane.snapshot_io import (
     FileEntry,
     LeaseEntry,
@@ -28,6 +29,17 @@ from rollout_recovery.data_plane.snapshot_io import (
 
 # Fault injection for tests: seconds to sleep after each snapshot file is written.
 FAULT_SLEEP_ENV = "ROLLOUT_RECOVERY_FAULT_SNAPSHOT_SLEEP_S"
+# Snapshot files are cut into segments of about this size so they are written, hashed and
+# verified in parallel.
+SEGMENT_BYTES = 16 << 20
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
+    return _POOL
 
 
 def shard_of(key: str, num_shards: int) -> int:
@@ -138,29 +150,39 @@ class StoreShard:
         return files, leases
 
     def _write_files(self, snapshot_dir_uri: str, captured: list[CapturedPartition]):
+        """Write each partition as segments of <= SEGMENT_BYTES, several at a time, so that
+        writing and hashing (and later verifying) use every core."""
         fs, root = resolve(snapshot_dir_uri)
         sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
-        files = []
+        jobs = []
         for cap in captured:
+            if len(cap.positions) == 0:
+                continue  # an empty partition needs no file; restore leaves it empty
             table = cap.to_table()
-            rel = f"shard-{self.shard_index:03d}/{cap.name}.arrow"
+            segments = max(1, -(-table.nbytes // SEGMENT_BYTES))
+            per = -(-table.num_rows // segments)
+            for k in range(segments):
+                rel = f"shard-{self.shard_index:03d}/{cap.name}.{k:04d}.arrow"
+                jobs.append((cap.name, rel, table.slice(k * per, per)))
+
+        def write(job) -> FileEntry:
+            name, rel, table = job
             sha, size = write_table_checksummed(fs, join(root, rel), table)
-            kind = self.kinds[cap.name]
-            files.append(
-                FileEntry(
-                    path=rel,
-                    partition=cap.name,
-                    shard=self.shard_index,
-                    row_kind=kind,
-                    schema_version=int(SCHEMAS[kind].metadata[b"rollout_recovery.schema_version"]),
-                    rows=table.num_rows,
-                    bytes=size,
-                    sha256=sha,
-                )
-            )
             if sleep_s:
                 time.sleep(sleep_s)
-        return files
+            kind = self.kinds[name]
+            return FileEntry(
+                path=rel,
+                partition=name,
+                shard=self.shard_index,
+                row_kind=kind,
+                schema_version=schema_version(SCHEMAS[kind]),
+                rows=table.num_rows,
+                bytes=size,
+                sha256=sha,
+            )
+
+        return list(_io_pool().map(write, jobs))
 
     async def restore_prepare(
         self, snapshot_dir_uri: str, files: list[FileEntry], num_shards_written: int
@@ -183,7 +205,8 @@ class StoreShard:
                     f"which this store does not have"
                 )
             check_version(entry.row_kind, entry.schema_version, f"snapshot file {entry.path}")
-            table = read_verified(fs, root, entry)
+        read = list(_io_pool().map(lambda e: read_verified(fs, root, e), files))
+        for entry, table in zip(files, read, strict=True):
             if num_shards_written != self.num_shards:
                 keys = table.column("key").to_pylist()
                 mine = [
