@@ -83,6 +83,11 @@ class VllmConfig(_Block):
     flat_logprobs: bool = True
     num_workers: int = Field(1, ge=1)
     enable_prefix_caching: bool = False
+    position_keyed_sampler: bool = Field(
+        True,
+        description="Register the position-keyed sampler: requests with vllm_xargs rr_seed "
+        "sample at rr_temperature with noise keyed by (seed, position), so resumes reproduce.",
+    )
     worker_num_cpus: float = Field(
         1.0, ge=0.0, description="Ray CPUs reserved per GenerationWorker actor."
     )
@@ -104,6 +109,8 @@ class TokenCaptureConfig(_Block):
     enabled: bool = False
     control_timeout_s: float = 10.0
     staging_partition: str = "rollout_staging"
+    terminal_partition: str = "rollout_terminal"
+    max_inventory_calls: int = Field(4096, ge=1)
     control_auth_token: str | None = Field(
         None, description="Bearer token for control routes; minted per run when unset."
     )

@@ -49,6 +49,10 @@ def serve_args(cfg: RolloutRecoveryConfig, model: str, host: str, port: int) -> 
         "--max-logprobs", str(max(20, cfg.policy.generation.top_logprobs)),
         "--enable-prefix-caching" if v.enable_prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
+    if v.position_keyed_sampler:
+        from rollout_recovery.generation.sampler import SAMPLER_FQCN
+
+        args += ["--logits-processors", SAMPLER_FQCN]
     if v.enforce_eager:
         args.append("--enforce-eager")
     if v.kv_cache_memory_bytes is not None:

@@ -50,9 +50,11 @@ class WorkerHealth(BaseModel):
 class GenerationWorker:
     """One vLLM engine plus its OpenAI-compatible HTTP server (an async Ray actor)."""
 
-    def __init__(self, config: dict[str, Any], worker_index: int = 0) -> None:
+    def __init__(self, config: dict[str, Any], worker_index: int = 0, store=None) -> None:
         self._cfg = RolloutRecoveryConfig.model_validate(config)
         self._index = worker_index
+        self._store = store
+        self._service = None
         self._engine = None
         self._server = None
         self._tasks: list[asyncio.Task] = []
@@ -114,9 +116,16 @@ class GenerationWorker:
         )
         tasks = await self._engine.get_supported_tasks()
         app = build_app(args, tasks, self._engine.model_config)
+        if self._cfg.token_capture.enabled:
+            app.include_router(self._install_capture())
         await init_app_state(self._engine, app.state, args, tasks)
+        served = app
+        if self._cfg.token_capture.enabled:
+            from rollout_recovery.generation.control import IdentityCheck
+
+            served = IdentityCheck(app)
         self._server = NoSignalServer(
-            uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30)
+            uvicorn.Config(served, log_level="warning", access_log=False, timeout_keep_alive=30)
         )
         app.state.server = self._server
         self._tasks = [
@@ -128,7 +137,7 @@ class GenerationWorker:
                 self._tasks[0].result()
                 raise RuntimeError("HTTP server exited during startup")
             await asyncio.sleep(0.02)
-        await self._warm_up()
+        await self._warm_up(f"http://{host}:{port}")
         self._info = WorkerInfo(
             worker_index=self._index,
             url=f"http://{host}:{port}",
@@ -143,14 +152,78 @@ class GenerationWorker:
         )
         return self._info
 
-    async def _warm_up(self) -> None:
-        """The first request pays a one-time ~3 s cost in the engine; pay it at startup."""
-        from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
+    def _install_capture(self):
+        """Token capture hooks on the engine, the cut service, and its control routes."""
+        from rollout_recovery.generation.capture import TokenCapture
+        from rollout_recovery.generation.control import make_control_router
+        from rollout_recovery.generation.cut import CutService
+        from rollout_recovery.generation.cuttability import uncuttable_reason
 
-        params = SamplingParams(temperature=0.0, max_tokens=2)
-        async for _ in self._engine.generate(tokens_input([0, 1]), params, "rr-warmup"):
-            pass
+        tc = self._cfg.token_capture
+        if self._store is None:
+            raise RuntimeError("token_capture.enabled needs a StagingStore: pass store=")
+        if not tc.control_auth_token:
+            raise RuntimeError("token_capture.control_auth_token is unset; use start_workers()")
+        capture = TokenCapture(
+            on_finished=lambda call: self._service.on_finished(call),
+            force_flat_logprobs=self._cfg.vllm_cfg.flat_logprobs,
+        )
+        sampler_on = self._cfg.vllm_cfg.position_keyed_sampler
+        capture.classify = lambda params: uncuttable_reason(params, sampler_on)
+        self._service = CutService(
+            capture,
+            self._store,
+            partition=tc.staging_partition,
+            terminal_partition=tc.terminal_partition,
+            timeout_s=tc.control_timeout_s,
+            max_calls=tc.max_inventory_calls,
+        )
+        capture.install(self._engine)
+        return make_control_router(self._service, tc.control_auth_token)
+
+    def _require_capture(self):
+        if self._service is None:
+            raise RuntimeError("token capture is off (token_capture.enabled=false)")
+        return self._service
+
+    async def cut(self, inventory: dict[str, Any]) -> dict[str, Any]:
+        """Ray twin of POST /control/v1/generation-cut."""
+        from rollout_recovery.generation.cut import CutInventory
+
+        receipt = await self._require_capture().cut(CutInventory.model_validate(inventory))
+        return receipt.model_dump()
+
+    async def begin_fence(self, epoch: int, lease_s: float) -> dict[str, Any]:
+        return vars(self._require_capture().fence.begin(epoch, lease_s))
+
+    async def end_fence(self, epoch: int) -> bool:
+        return self._require_capture().fence.end(epoch)
+
+    async def capture_metrics(self) -> dict[str, float]:
+        service = self._require_capture()
+        return service.metrics.snapshot() | {"fence_hold_s": service.fence.hold_seconds_total}
+
+    async def drain(self) -> None:
+        """Wait until background terminal-row writes are done."""
+        await self._require_capture().drain()
+
+    async def _warm_up(self, url: str) -> None:
+        """Pay the one-time costs (~2-3 s: first engine step, first logprobs, chat template)
+        at startup, through the same HTTP path callers use."""
+        import httpx
+
+        body = {
+            "model": self._cfg.policy.served_model_name,
+            "messages": [{"role": "user", "content": "warm up"}],
+            "max_tokens": 2,
+            "temperature": 0.0,
+            "logprobs": True,
+            "return_token_ids": True,
+        }
+        async with httpx.AsyncClient() as client:
+            resp = await client.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        if resp.status_code != 200:
+            raise RuntimeError(f"warm-up request failed: {resp.status_code} {resp.text[:300]}")
 
     async def info(self) -> WorkerInfo:
         if self._info is None:
@@ -207,6 +280,7 @@ class WorkerHandle:
 
     actor: ray.actor.ActorHandle
     info: WorkerInfo
+    control_token: str | None = None
 
 
 def worker_actor_options(cfg: RolloutRecoveryConfig) -> dict[str, Any]:
@@ -219,19 +293,34 @@ def worker_actor_options(cfg: RolloutRecoveryConfig) -> dict[str, Any]:
     }
 
 
-def start_workers(cfg: RolloutRecoveryConfig, num_workers: int | None = None) -> list[WorkerHandle]:
-    """Start `num_workers` (default `vllm_cfg.num_workers`) workers concurrently."""
+def start_workers(
+    cfg: RolloutRecoveryConfig, num_workers: int | None = None, store=None
+) -> list[WorkerHandle]:
+    """Start `num_workers` (default `vllm_cfg.num_workers`) workers concurrently.
+
+    With token capture on, `store` (a StagingStore) receives the chunk and terminal rows, and
+    a control token is minted for the run unless the config names one.
+    """
+    import secrets
+
     n = cfg.vllm_cfg.num_workers if num_workers is None else num_workers
+    if cfg.token_capture.enabled and not cfg.token_capture.control_auth_token:
+        cfg = cfg.model_copy(deep=True)
+        cfg.token_capture.control_auth_token = secrets.token_urlsafe(24)
     actor_cls = ray.remote(GenerationWorker).options(**worker_actor_options(cfg))
     config = cfg.model_dump(mode="json")
-    actors = [actor_cls.remote(config, i) for i in range(n)]
+    actors = [actor_cls.remote(config, i, store) for i in range(n)]
     try:
         infos = ray.get([a.start.remote() for a in actors], timeout=cfg.vllm_cfg.startup_timeout_s)
     except BaseException:
         for a in actors:
             ray.kill(a)
         raise
-    return [WorkerHandle(actor=a, info=i) for a, i in zip(actors, infos, strict=True)]
+    token = cfg.token_capture.control_auth_token
+    return [
+        WorkerHandle(actor=a, info=i, control_token=token)
+        for a, i in zip(actors, infos, strict=True)
+    ]
 
 
 def stop_workers(handles: list[WorkerHandle], timeout_s: float = 60.0) -> None:

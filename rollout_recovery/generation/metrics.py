@@ -1,0 +1,82 @@
+"""Worker metrics: Prometheus series (served on vLLM's own /metrics) plus a plain snapshot.
+
+The series live in prometheus_client's default registry, which vLLM's /metrics route exposes,
+so no second endpoint is needed. `snapshot()` gives the same numbers to Ray callers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as _Tally
+
+from prometheus_client import Counter, Histogram
+
+_BUCKETS_US = (10, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
+
+
+class WorkerMetrics:
+    """One instance per worker process (prometheus series are process-global)."""
+
+    _instance: WorkerMetrics | None = None
+
+    def __new__(cls) -> WorkerMetrics:
+        if cls._instance is None:
+            inst = super().__new__(cls)
+            inst._init()
+            cls._instance = inst
+        return cls._instance
+
+    def _init(self) -> None:
+        self.tally: _Tally[str] = _Tally()
+        self.cuts = Counter(
+            "rollout_recovery_cut_calls", "Calls in cut inventories, by disposition and reason",
+            ["disposition", "reason"],
+        )  # fmt: skip
+        self.restored = Counter(
+            "rollout_recovery_restored_calls", "Resume attempts, by outcome", ["outcome"]
+        )
+        self.restored_tokens = Counter(
+            "rollout_recovery_restored_prefix_tokens", "Prefix tokens resumed instead of decoded"
+        )
+        self.progress_reads = Counter("rollout_recovery_progress_reads", "Locked progress reads")
+        self.lock_wait = Histogram(
+            "rollout_recovery_lock_wait_us", "Wait for the capture lock (us)", buckets=_BUCKETS_US
+        )
+        self.lock_hold = Histogram(
+            "rollout_recovery_lock_hold_us", "Capture lock hold per cut (us)", buckets=_BUCKETS_US
+        )
+        self.fence_hold = Counter("rollout_recovery_fence_hold_seconds", "Seconds fences held")
+        self.terminal_rows = Counter("rollout_recovery_terminal_rows", "Terminal rows staged")
+        self.deferred_deletes = Counter(
+            "rollout_recovery_deferred_deletes", "Chunk deletes that waited for a fence"
+        )
+
+    def cut(self, disposition: str, reason: str | None) -> None:
+        self.cuts.labels(disposition, reason or "").inc()
+        self.tally[f"cut.{disposition}"] += 1
+        if reason:
+            self.tally[f"cut_failure.{reason}"] += 1
+
+    def restore(self, outcome: str, prefix_tokens: int = 0) -> None:
+        self.restored.labels(outcome).inc()
+        self.tally[f"resume.{outcome}"] += 1
+        if prefix_tokens:
+            self.restored_tokens.inc(prefix_tokens)
+            self.tally["resume.prefix_tokens"] += prefix_tokens
+
+    def lock(self, wait_us: float, hold_us: float) -> None:
+        self.progress_reads.inc()
+        self.lock_wait.observe(wait_us)
+        self.lock_hold.observe(hold_us)
+        self.tally["progress_reads"] += 1
+        self.tally["lock_hold_us_max"] = max(self.tally["lock_hold_us_max"], int(hold_us))
+
+    def count(self, name: str, n: int = 1) -> None:
+        series = {"terminal_rows": self.terminal_rows, "deferred_deletes": self.deferred_deletes}
+        series[name].inc(n)
+        self.tally[name] += n
+
+    def fence_seconds(self, seconds: float) -> None:
+        self.fence_hold.inc(seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.tally)
