@@ -30,6 +30,7 @@ UNCUTTABLE_REASONS = (
     "unknown_logits_processor",
     "per_request_seed",
     "n_greater_than_1",
+    "top_logprobs",
     "output_state_counters",
 )
 
@@ -54,6 +55,8 @@ def uncuttable_reason(params, sampler_enabled: bool) -> str | None:
         return "per_request_seed"
     if params.n > 1:
         return "n_greater_than_1"
+    if (params.logprobs or 0) > 0:
+        return "top_logprobs"  # only sampled-token logprobs are staged with prefixes
     if getattr(params, "thinking_token_budget", None) or getattr(
         params, "repetition_detection", None
     ):

@@ -158,6 +158,7 @@ class GenerationWorker:
         from rollout_recovery.generation.control import make_control_router
         from rollout_recovery.generation.cut import CutService
         from rollout_recovery.generation.cuttability import uncuttable_reason
+        from rollout_recovery.generation.resume import Resumer
 
         tc = self._cfg.token_capture
         if self._store is None:
@@ -179,6 +180,7 @@ class GenerationWorker:
             max_calls=tc.max_inventory_calls,
         )
         capture.install(self._engine)
+        Resumer(capture, self._store, tc.staging_partition, capture.classify).install(self._engine)
         return make_control_router(self._service, tc.control_auth_token)
 
     def _require_capture(self):

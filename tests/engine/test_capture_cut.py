@@ -10,25 +10,11 @@ import numpy as np
 import pytest
 import ray
 
-from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.digest import chain_digests, token_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows, table_to_terminal_rows
-from rollout_recovery.generation import start_workers, stop_workers
 
 pytestmark = pytest.mark.engine
 MESSAGES = [{"role": "user", "content": "Count the letters in the word rollout."}]
-
-
-@pytest.fixture(scope="module")
-def capture_worker(ray_session, tiny_cfg):
-    store = StagingStore.create(num_shards=1)
-    cfg = tiny_cfg.model_copy(deep=True)
-    cfg.token_capture.enabled = True
-    cfg.token_capture.max_inventory_calls = 64
-    [worker] = start_workers(cfg, num_workers=1, store=store)
-    yield worker, store
-    stop_workers([worker])
-    store.shutdown()
 
 
 def _body(rollout: str, call: str = "c0", attempt: int = 0, **extra) -> dict:
@@ -240,6 +226,10 @@ def test_control_routes_auth_and_bad_input(capture_worker):
         "expires_in_s": None,
         "released": False,
     }
+    # Capture metrics are on vLLM's own Prometheus endpoint.
+    prom = httpx.get(f"{url}/metrics", timeout=30).text
+    assert "rollout_recovery_cut_calls_total" in prom
+    assert 'reason="unknown_call"' in prom
     # A malformed identity is a 4xx, and the worker keeps serving.
     bad = _body("bad id with spaces")
     r = httpx.post(f"{url}/v1/chat/completions", json=bad, timeout=60)

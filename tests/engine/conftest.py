@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import pytest
+
+from rollout_recovery.data_plane import StagingStore
+from rollout_recovery.generation import start_workers, stop_workers
+
+
+@pytest.fixture(scope="session")
+def capture_worker(ray_session, tiny_cfg):
+    """One worker with token capture on, and the StagingStore it stages into."""
+    store = StagingStore.create(num_shards=1)
+    cfg = tiny_cfg.model_copy(deep=True)
+    cfg.token_capture.enabled = True
+    cfg.token_capture.max_inventory_calls = 64
+    [worker] = start_workers(cfg, num_workers=1, store=store)
+    yield worker, store
+    stop_workers([worker])
+    store.shutdown()

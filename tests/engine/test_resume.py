@@ -1,0 +1,244 @@
+"""Resuming restored calls from staged prefixes: the response equals the uninterrupted one."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from transformers import AutoTokenizer
+
+from rollout_recovery.data_plane.digest import chain_digests
+from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
+
+pytestmark = pytest.mark.engine
+_ids = itertools.count()
+
+PROMPTS = {
+    "ascii": "What is 2 + 3?",
+    "accents": "Café, naïve, façade: é è ê",
+    "symbols": "Price: 5 € or 🦖 dinosaurs",
+}
+
+
+def _chat(url: str, rollout: str, attempt: int = 0, xargs: dict | None = None, **kw) -> dict:
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": kw.pop("content", PROMPTS["ascii"])}],
+        "max_tokens": kw.pop("max_tokens", 48),
+        "temperature": 0.0,
+        "logprobs": True,
+        "return_token_ids": True,
+        "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": attempt}
+        | (xargs or {}),
+        **kw,
+    }
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _stage(store, rollout: str, out: dict, k: int, split: int | None = None) -> dict:
+    """Stage the first k tokens of a reference answer as chunk rows of attempt 0."""
+    choice = out["choices"][0]
+    ids = np.array(choice["token_ids"][:k], np.int32)
+    lps = np.array([c["logprob"] for c in choice["logprobs"]["content"][:k]], np.float32)
+    cuts = [0, split, k] if split and 0 < split < k else [0, k]
+    deltas = [ids[a:b] for a, b in itertools.pairwise(cuts)]
+    digests = chain_digests(deltas)
+    rows = [
+        ChunkRow(
+            key=f"{rollout}/c0/a0/c{seq:06d}",
+            rollout_id=rollout,
+            model_call_id="c0",
+            attempt=0,
+            chunk_seq=seq,
+            token_ids=deltas[seq],
+            logprobs=lps[a:b],
+            weight_version=0,
+            prev_len=a,
+            digest=digests[seq],
+            prompt_token_ids=np.array(out["prompt_token_ids"], np.int32) if seq == 0 else None,
+        )
+        for seq, (a, b) in enumerate(itertools.pairwise(cuts))
+    ]
+    store.put("rollout_staging", chunk_rows_to_table(rows))
+    return {
+        "rr_resume_keys": [r.key for r in rows],
+        "rr_resume_tokens": k,
+        "rr_resume_digest": digests[-1].hex(),
+    }
+
+
+def _same(resumed: dict, reference: dict) -> None:
+    a, b = resumed["choices"][0], reference["choices"][0]
+    assert a["token_ids"] == b["token_ids"]
+    assert a["message"]["content"] == b["message"]["content"]
+    assert a["finish_reason"] == b["finish_reason"]
+    assert resumed["prompt_token_ids"] == reference["prompt_token_ids"]
+    assert resumed["usage"] == reference["usage"]
+    la = [c["logprob"] for c in a["logprobs"]["content"]]
+    lb = [c["logprob"] for c in b["logprobs"]["content"]]
+    assert la == lb  # bit-identical: same single-request batch shape
+    assert [c["token"] for c in a["logprobs"]["content"]] == [
+        c["token"] for c in b["logprobs"]["content"]
+    ]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def _metrics(worker) -> dict:
+    return ray.get(worker.actor.capture_metrics.remote())
+
+
+@pytest.mark.parametrize("prompt", list(PROMPTS))
+def test_resume_at_first_middle_and_inside_a_character(capture_worker, tok, prompt):
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"ref-{prompt}-{next(_ids)}", content=PROMPTS[prompt], ignore_eos=True)
+    ids = ref["choices"][0]["token_ids"]
+    inside = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
+    points = {1, len(ids) // 2, *inside[:1]}
+    for k in sorted(points):
+        rollout = f"res-{prompt}-{k}-{next(_ids)}"
+        cont = _stage(store, rollout, ref, k, split=k // 2)
+        out = _chat(url, rollout, attempt=1, xargs=cont, content=PROMPTS[prompt], ignore_eos=True)
+        _same(out, ref)
+    assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in points) or not inside
+
+
+def test_resume_with_a_stop_string_spanning_the_cut(capture_worker, tok):
+    worker, store = capture_worker
+    url = worker.info.url
+    base = _chat(url, f"stop-base-{next(_ids)}", ignore_eos=True, max_tokens=48)
+    ids = base["choices"][0]["token_ids"]
+    texts = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
+    found = None
+    for j, left, right in itertools.product(range(2, len(ids) - 1), (1, 2, 3), (1, 2)):
+        before, here, after = texts[j - 1], texts[j], texts[j + 1]
+        stable = after.startswith(here) and here.startswith(before)
+        if not stable or len(here) - len(before) < left or len(after) - len(here) < right:
+            continue
+        stop = here[-left:] + after[len(here) : len(here) + right]
+        if stop.strip() and "\ufffd" not in stop and after.find(stop) == len(here) - left:
+            found = (j, stop)
+            break
+    if found is None:
+        pytest.fail("no token boundary to place a stop string on")
+    j, stop = found
+    ref = _chat(url, f"stop-ref-{next(_ids)}", stop=[stop], max_tokens=48)
+    assert ref["choices"][0]["finish_reason"] == "stop"
+    assert len(ref["choices"][0]["token_ids"]) == j + 1
+    rollout = f"stop-res-{next(_ids)}"
+    cont = _stage(store, rollout, ref, j)  # the cut falls inside the stop string
+    _same(_chat(url, rollout, attempt=1, xargs=cont, stop=[stop], max_tokens=48), ref)
+
+
+def test_resume_honours_min_tokens_and_a_finished_prefix(capture_worker):
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"min-ref-{next(_ids)}", min_tokens=20, max_tokens=32)
+    rollout = f"min-res-{next(_ids)}"
+    cont = _stage(store, rollout, ref, 5)
+    _same(_chat(url, rollout, attempt=1, xargs=cont, min_tokens=20, max_tokens=32), ref)
+    # A prefix that already reached the limit is answered without decoding.
+    before = _metrics(worker).get("resume.finished_without_decoding", 0)
+    full = f"full-res-{next(_ids)}"
+    cont = _stage(store, full, ref, len(ref["choices"][0]["token_ids"]))
+    _same(_chat(url, full, attempt=1, xargs=cont, min_tokens=20, max_tokens=32), ref)
+    assert _metrics(worker)["resume.finished_without_decoding"] == before + 1
+
+
+def test_seeded_temperature_one_sampling_resumes_exactly(capture_worker):
+    worker, store = capture_worker
+    url = worker.info.url
+    seeded = {"rr_seed": 1234, "rr_temperature": 1.0}
+    ref = _chat(url, f"pk-ref-{next(_ids)}", xargs=seeded, ignore_eos=True)
+    other = _chat(url, f"pk-other-{next(_ids)}", xargs={"rr_seed": 99}, ignore_eos=True)
+    assert other["choices"][0]["token_ids"] != ref["choices"][0]["token_ids"]
+    for k in (1, 17):
+        rollout = f"pk-res-{k}-{next(_ids)}"
+        cont = _stage(store, rollout, ref, k)
+        _same(_chat(url, rollout, attempt=1, xargs=seeded | cont, ignore_eos=True), ref)
+
+
+def test_a_real_cut_survives_the_caller_going_away(capture_worker):
+    """Cut a call in flight, drop the caller (as a crash would), resume from the receipt."""
+    worker, _ = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"live-ref-{next(_ids)}", ignore_eos=True, max_tokens=400)
+    rollout = f"live-{next(_ids)}"
+
+    async def crash_mid_flight():
+        body = {
+            "model": "policy",
+            "messages": [{"role": "user", "content": PROMPTS["ascii"]}],
+            "max_tokens": 400,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logprobs": True,
+            "return_token_ids": True,
+            "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": 0},
+        }
+        async with httpx.AsyncClient() as client:
+            task = asyncio.create_task(client.post(f"{url}/v1/chat/completions", json=body))
+            await asyncio.sleep(0.4)
+            inv = {
+                "checkpoint_id": "live",
+                "calls": [{"rollout_id": rollout, "model_call_id": "c0"}],
+            }
+            receipt = await worker.actor.cut.remote(inv)
+            task.cancel()
+            return receipt["calls"][0]
+
+    call = asyncio.run(crash_mid_flight())
+    assert call["disposition"] == "durable_prefix" and 0 < call["prefix_token_count"] < 400
+    cont = {
+        "rr_resume_keys": call["staging_keys"],
+        "rr_resume_tokens": call["prefix_token_count"],
+        "rr_resume_digest": call["prefix_digest"],
+        "rr_resume_limit": call["effective_output_limit"],
+    }
+    out = _chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True, max_tokens=400)
+    _same(out, ref)
+
+
+def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"bad-ref-{next(_ids)}", ignore_eos=True)
+    k = 10
+
+    def resume(rollout: str, cont: dict, attempt: int = 1) -> dict:
+        return _chat(url, rollout, attempt=attempt, xargs=cont, ignore_eos=True)
+
+    cases = {}
+    # A tampered chunk: one token changed after staging.
+    r = f"tamper-{next(_ids)}"
+    cont = _stage(store, r, ref, k)
+    table, _ = store.get("rollout_staging", cont["rr_resume_keys"])
+    rows = table_to_chunk_rows(table)
+    rows[0].token_ids = rows[0].token_ids.copy()
+    rows[0].token_ids[3] += 1
+    store.put("rollout_staging", chunk_rows_to_table(rows))
+    cases["digest_mismatch"] = (r, cont, 1)
+    r = f"missing-{next(_ids)}"
+    absent = {"rr_resume_keys": [f"{r}/c0/a0/c000009"]}
+    cases["missing_chunk"] = (r, _stage(store, r, ref, k) | absent, 1)
+    r = f"count-{next(_ids)}"
+    cases["prefix_length_mismatch"] = (r, _stage(store, r, ref, k) | {"rr_resume_tokens": k + 1}, 1)
+    r = f"foreign-{next(_ids)}"
+    cases["foreign_chunk"] = (r, _stage(store, r, ref, k), 0)  # attempt 0 cannot resume attempt 0
+    before = _metrics(worker)
+    for reason, (rollout, cont, attempt) in cases.items():
+        out = resume(rollout, cont, attempt)
+        _same(out, ref)  # regenerated from scratch: greedy gives the same answer
+        after = _metrics(worker)
+        assert after.get(f"resume.{reason}", 0) == before.get(f"resume.{reason}", 0) + 1, reason
+    assert ray.get(worker.actor.health.remote()).healthy
