@@ -127,8 +127,8 @@ class CutService:
         self.partition, self.terminal_partition = partition, terminal_partition
         self.timeout_s, self.max_calls = timeout_s, max_calls
         self.batch_rows, self.batch_tokens = batch_rows, batch_tokens
-        self.fence = Fence()
         self.metrics = WorkerMetrics()
+        self.fence = Fence(on_release=self.metrics.fence_seconds)
         self._cut_lock = asyncio.Lock()
         self._receipts: dict[tuple[str, str], CutReceipt] = {}
         self._background: set[asyncio.Task] = set()
@@ -203,14 +203,17 @@ class CutService:
         staged_rows = staged_tokens = 0
         for batch in self._batches(rows):
             remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                for i, ref, _, _ in batch:
+                    results[i] = _failure(ref, "control_deadline")
+                continue
             table = chunk_rows_to_table([r for *_, r in batch])
+            put = asyncio.ensure_future(self.store.aput(self.partition, table))
             try:
-                if remaining <= 0:
-                    raise TimeoutError
-                await asyncio.wait_for(self.store.aput(self.partition, table), remaining)
+                await asyncio.wait_for(asyncio.shield(put), remaining)
             except TimeoutError:
-                # A put that timed out may still land: remove its keys in the background.
-                self._spawn(self._discard([r.key for *_, r in batch]))
+                # The put may still land: once it settles, remove what it wrote.
+                self._spawn(self._discard([r.key for *_, r in batch], after=put))
                 for i, ref, _, _ in batch:
                     results[i] = _failure(ref, "control_deadline")
                 continue
@@ -252,7 +255,9 @@ class CutService:
         if batch:
             yield batch
 
-    async def _discard(self, keys: list[str]) -> None:
+    async def _discard(self, keys: list[str], after: asyncio.Future | None = None) -> None:
+        if after is not None:
+            await asyncio.gather(after, return_exceptions=True)
         try:
             await self.store.adelete(self.partition, keys)
         except Exception:

@@ -19,7 +19,8 @@ class FenceState:
 
 
 class Fence:
-    def __init__(self) -> None:
+    def __init__(self, on_release=None) -> None:
+        self._on_release = on_release  # called with the seconds the fence was held
         self._epoch: int | None = None
         self._expires_at = 0.0
         self._released = asyncio.Event()
@@ -31,7 +32,10 @@ class Fence:
 
     def _release(self) -> None:
         if self._epoch is not None:
-            self.hold_seconds_total += time.monotonic() - self._held_since
+            held = time.monotonic() - self._held_since
+            self.hold_seconds_total += held
+            if self._on_release is not None:
+                self._on_release(held)
         self._epoch = None
         self._released.set()
         if self._expiry_task is not None and self._expiry_task is not asyncio.current_task():
