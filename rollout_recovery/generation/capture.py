@@ -109,8 +109,16 @@ class CapturedCall:
     def num_generated(self) -> int:
         return self.state.detokenizer.num_output_tokens()
 
-    def generated_ids(self, start: int, end: int) -> np.ndarray:
-        return np.asarray(self.state.detokenizer.output_token_ids[start:end], dtype=np.int32)
+    def progress(self) -> tuple[int, list[int]]:
+        """(tokens so far, the generated-ids list). Take it under the capture lock: vLLM only
+        appends to that list, and trims a stop string's surplus inside the same locked
+        `process_outputs` call, so its first n entries never change afterwards and can be
+        copied once the lock is released."""
+        return self.state.detokenizer.num_output_tokens(), self.state.detokenizer.output_token_ids
+
+    def generated_ids(self, start: int, end: int, ids: list[int] | None = None) -> np.ndarray:
+        ids = self.state.detokenizer.output_token_ids if ids is None else ids
+        return np.asarray(ids[start:end], dtype=np.int32)
 
     def sampled_logprobs(self, start: int, end: int) -> np.ndarray:
         """Sampled-token logprobs of positions [start, end); append-only, read without lock."""

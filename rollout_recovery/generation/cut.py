@@ -1,9 +1,10 @@
 """Cutting in-flight calls into durable chunk rows, and staging terminal rows.
 
-A cut reads every listed call's progress under the capture lock once, copying only tokens
-past what was already staged; logprobs are read outside the lock (the containers are
-append-only). New tokens become one chunk per call, chained on the call's previous chunk,
-and are put into the StagingStore in bounded batches before the receipt says `durable_prefix`.
+A cut reads every listed call's progress (its token count) under the capture lock once; the
+tokens past what was already staged, and their logprobs, are copied after the lock is released
+(vLLM only appends to those containers, so the counted prefix is stable). New tokens become
+one chunk per call, chained on the call's previous chunk, and are put into the StagingStore in
+bounded batches before the receipt says `durable_prefix`.
 A cut never fails as a whole: each call is either durable or a `durable_failure` with a named
 reason, and a call not reached by the deadline is `control_deadline` with nothing left behind.
 """
@@ -157,7 +158,7 @@ class CutService:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         results: dict[int, CallReceipt] = {}
-        plans: list[tuple[int, CallRef, CapturedCall, int, int, np.ndarray]] = []
+        plans: list[tuple[int, CallRef, CapturedCall, int, int, list[int]]] = []
         w0 = time.perf_counter()
         with self.capture.lock:
             w1 = time.perf_counter()
@@ -171,14 +172,15 @@ class CutService:
                 elif call.terminal_staged:
                     results[i] = _failure(ref, "already_terminal")
                 else:
-                    n, start = call.num_generated(), call.staged_tokens
-                    plans.append((i, ref, call, start, n, call.generated_ids(start, n)))
+                    n, ids = call.progress()
+                    plans.append((i, ref, call, call.staged_tokens, n, ids))
             w2 = time.perf_counter()
         hold_us = (w2 - w1) * 1e6
         self.metrics.lock((w1 - w0) * 1e6, hold_us)
 
         rows: list[tuple[int, CallRef, CapturedCall, ChunkRow]] = []
-        for i, ref, call, start, n, ids in plans:
+        for i, ref, call, start, n, all_ids in plans:
+            ids = call.generated_ids(start, n, all_ids)  # outside the lock: a stable prefix
             if n == 0:
                 results[i] = _failure(ref, "zero_generated_tokens")
             elif n == start:

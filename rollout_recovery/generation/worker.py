@@ -10,6 +10,7 @@ EngineCore's parent-death signal are the backstop when a worker dies without tha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -248,6 +249,10 @@ class GenerationWorker:
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop HTTP, then the engine, leaving no child process and no shared-memory segment."""
+        if self._service is not None:
+            # Terminal rows of finished calls are still owed to the store.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._service.drain(), timeout=timeout_s)
         if self._server is not None:
             self._server.should_exit = True
             try:

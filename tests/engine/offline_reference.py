@@ -9,19 +9,12 @@ import json
 import sys
 
 if __name__ == "__main__":
-    from vllm import LLM, SamplingParams
+    from offline_common import offline_llm
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     req = json.load(sys.stdin)
-    llm = LLM(
-        model=req["model"],
-        dtype="float32",
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        kv_cache_memory_bytes=req["kv_bytes"],
-        max_model_len=req["max_model_len"],
-        seed=0,
-    )
+    llm = offline_llm(req)
     params = SamplingParams(
         temperature=0.0, max_tokens=req["max_tokens"], logprobs=0, ignore_eos=True
     )

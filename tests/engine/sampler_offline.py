@@ -11,22 +11,17 @@ import sys
 
 def main() -> None:
     import torch
+    from offline_common import offline_llm
     from transformers import AutoModelForCausalLM
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from rollout_recovery.generation.sampler import SAMPLER_FQCN, as_int64_seed, sample_positions
 
     req = json.load(sys.stdin)
     n, (p0, p1), (s0, s1, s2) = req["max_tokens"], req["prompts"], req["seeds"]
-    llm = LLM(
-        model=req["model"],
-        dtype="float32",
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        kv_cache_memory_bytes=req["kv_bytes"],
-        max_model_len=req["max_model_len"],
-        seed=0,
+    llm = offline_llm(
+        req,
         logits_processors=[SAMPLER_FQCN],
         # The reported logprob is then the value the processor wrote: log_softmax(z/T)[token].
         logprobs_mode="processed_logits",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import ray
 
 from rollout_recovery.generation import start_workers, stop_workers
 from rollout_recovery.generation.engine_setup import engine_env
+from tests.engine.offline_common import run_offline
 
 pytestmark = pytest.mark.engine
 
@@ -92,26 +92,8 @@ def test_greedy_chat_equals_offline_generation(two_workers, tiny_cfg, tiny_model
     http_lps = [c["logprob"] for c in choice["logprobs"]["content"]]
     assert len(http_ids) == n and len(http_lps) == n
 
-    request = {
-        "model": str(tiny_model_dir),
-        "prompt_token_ids": prompt_ids,
-        "max_tokens": n,
-        "kv_bytes": tiny_cfg.vllm_cfg.kv_cache_memory_bytes,
-        "max_model_len": tiny_cfg.vllm_cfg.max_model_len,
-    }
-    env = {**os.environ, **engine_env(tiny_cfg)}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "offline_reference.py")],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    ref = json.loads(lines[-1].removeprefix("RESULT "))
+    request = {"model": str(tiny_model_dir), "prompt_token_ids": prompt_ids, "max_tokens": n}
+    ref = run_offline("offline_reference.py", request, tiny_cfg)
     assert http_ids == ref["token_ids"]
     # Same weights, same single-request batch shape, one OpenMP thread: bit-identical.
     assert http_lps == ref["logprobs"]

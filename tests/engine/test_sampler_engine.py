@@ -6,15 +6,11 @@ so the determinism environment is set before torch is imported; the tests check 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from rollout_recovery.generation.engine_setup import engine_env
+from tests.engine.offline_common import run_offline
 
 pytestmark = pytest.mark.engine
 
@@ -33,21 +29,8 @@ def runs(tiny_model_dir, tiny_cfg) -> dict:
         "max_tokens": N,
         "seeds": SEEDS,
         "cuts": CUTS,
-        "kv_bytes": tiny_cfg.vllm_cfg.kv_cache_memory_bytes,
-        "max_model_len": tiny_cfg.vllm_cfg.max_model_len,
     }
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "sampler_offline.py")],
-        input=json.dumps(request),
-        capture_output=True,
-        text=True,
-        env={**os.environ, **engine_env(tiny_cfg)},
-        timeout=600,
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return run_offline("sampler_offline.py", request, tiny_cfg)
 
 
 def test_invalid_request_is_rejected_by_the_engine(runs):
