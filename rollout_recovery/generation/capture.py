@@ -175,7 +175,7 @@ class TokenCapture:
             with self.lock:
                 orig_add(request, prompt, parent_req, request_index, queue)
                 if identity is not None:
-                    self._register(request, identity)
+                    self._register(request, identity, parent_req)
 
         def process_outputs(engine_core_outputs, *args, **kwargs):
             with self.lock:
@@ -203,7 +203,7 @@ class TokenCapture:
         if flat:
             params.flat_logprobs = True
 
-    def _register(self, request, identity: CallIdentity) -> None:
+    def _register(self, request, identity: CallIdentity, parent_req=None) -> None:
         params = request.sampling_params
         state = self._op.request_states.get(request.request_id)
         if state is None:
@@ -218,7 +218,8 @@ class TokenCapture:
             state=state,
             prompt_token_ids=np.asarray(request.prompt_token_ids, dtype=np.int32),
             max_tokens=params.max_tokens,
-            uncuttable=self.classify(params),
+            # n>1 children share the call's identity and carry n=1 themselves.
+            uncuttable="n_greater_than_1" if parent_req is not None else self.classify(params),
             weight_version=self.weight_version,
         )
         if self.on_added is not None:

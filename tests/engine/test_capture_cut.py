@@ -157,6 +157,9 @@ def test_uncuttable_calls_have_named_reasons(capture_worker):
         "json": {"response_format": {"type": "json_object"}},
         "bw": {"bad_words": ["result answered"]},
         "pk": {"vllm_xargs": {"rr_rollout_id": "u-pk", "rr_model_call_id": "c0", "rr_seed": 11}},
+        "lp": {"vllm_xargs": {"rr_rollout_id": "u-lp", "rr_model_call_id": "c0", "my_proc": 1}},
+        "n2": {"n": 2, "temperature": 1.0},
+        "topk": {"top_logprobs": 3},
     }
     expected = {
         "pp": "presence_penalty",
@@ -164,6 +167,9 @@ def test_uncuttable_calls_have_named_reasons(capture_worker):
         "seed": "per_request_seed",
         "json": "structured_output",
         "bw": "multi_token_bad_words",
+        "lp": "unknown_logits_processor",
+        "n2": "n_greater_than_1",
+        "topk": "top_logprobs",
     }
 
     async def scenario():

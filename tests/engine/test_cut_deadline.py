@@ -70,7 +70,14 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(ray_session, tiny_cfg,
             await asyncio.sleep(0.3)
             flag.touch()
             t0 = time.monotonic()
-            slow = await worker.actor.cut.remote(inv)
+            cut = worker.actor.cut.remote(inv)
+            await asyncio.sleep(0.1)
+            # Fence calls never queue behind a running cut.
+            f0 = time.monotonic()
+            await worker.actor.begin_fence.remote(3, 30)
+            assert await worker.actor.end_fence.remote(3)
+            fence_s = time.monotonic() - f0
+            slow = await cut
             took = time.monotonic() - t0
             await asyncio.sleep(2.5)  # the late put lands, then is discarded
             staged_after_deadline = store.list("rollout_staging", "dl-")
@@ -79,11 +86,12 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(ray_session, tiny_cfg,
             fast = await worker.actor.cut.remote(inv2)
             for t in tasks:
                 t.cancel()
-            return slow, took, staged_after_deadline, fast
+            return slow, took, staged_after_deadline, fast, fence_s
 
     try:
-        slow, took, staged, fast = asyncio.run(scenario())
+        slow, took, staged, fast, fence_s = asyncio.run(scenario())
         assert took < 1.5, took
+        assert fence_s < 0.3, fence_s
         assert {c["reason"] for c in slow["calls"]} == {"control_deadline"}
         assert all(c["disposition"] == "durable_failure" for c in slow["calls"])
         assert staged == []  # nothing half-staged stays behind
