@@ -111,6 +111,30 @@ class TokenCaptureConfig(_Block):
     staging_partition: str = "rollout_staging"
     terminal_partition: str = "rollout_terminal"
     max_inventory_calls: int = Field(4096, ge=1)
+    request_token_ids: bool = Field(
+        True, description="Ask the workers for prompt and generated token ids (return_token_ids)."
+    )
+    supply_prefix_token_ids: bool = Field(
+        False, description="Send a resolved parent's exact tokens as the call's required prefix."
+    )
+    use_completions_api: bool = False
+
+    @model_validator(mode="after")
+    def _supply_needs_proof(self) -> TokenCaptureConfig:
+        if self.supply_prefix_token_ids and not self.request_token_ids:
+            raise ConfigError(
+                "token_capture.supply_prefix_token_ids=true needs token_capture."
+                "request_token_ids=true (the returned prompt ids prove the prefix was used); "
+                "set it, or set supply_prefix_token_ids=false"
+            )
+        if self.supply_prefix_token_ids and self.use_completions_api:
+            raise ConfigError(
+                "token_capture.supply_prefix_token_ids=true cannot be proven on the completions "
+                "API (token_capture.use_completions_api=true); use chat completions or set "
+                "supply_prefix_token_ids=false"
+            )
+        return self
+
     control_auth_token: str | None = Field(
         None, description="Bearer token for control routes; minted per run when unset."
     )

@@ -83,10 +83,28 @@ REPLAY_ROW_SCHEMA = _schema(
     ],
 )
 
+# The environment's TokenEntry records: token arrays as columns, the other fields as canonical
+# JSON (the record has its own versioning, see environment/token_entry.py).
+TOKEN_ENTRY_ROW_SCHEMA = _schema(
+    "token_entry_row",
+    1,
+    [
+        pa.field("rollout_id", pa.string(), nullable=False),
+        pa.field("model_call_id", pa.string(), nullable=False),
+        pa.field("incomplete", pa.bool_(), nullable=False),
+        pa.field("prompt_token_ids", _TOKENS, nullable=False),
+        pa.field("generated_token_ids", _TOKENS, nullable=False),
+        pa.field("generated_logprobs", _LOGPROBS, nullable=False),
+        pa.field("record_json", pa.string(), nullable=False),
+        pa.field("payload_sha256", pa.string(), nullable=False),
+    ],
+)
+
 SCHEMAS: dict[str, pa.Schema] = {
     "chunk_row": CHUNK_ROW_SCHEMA,
     "terminal_row": TERMINAL_ROW_SCHEMA,
     "replay_row": REPLAY_ROW_SCHEMA,
+    "token_entry_row": TOKEN_ENTRY_ROW_SCHEMA,
 }
 
 

@@ -45,6 +45,7 @@ DEFAULT_PARTITIONS = {
     "rollout_staging": "chunk_row",
     "rollout_terminal": "terminal_row",
     "replay": "replay_row",
+    "token_entries": "token_entry_row",
 }
 
 

@@ -74,14 +74,22 @@ def make_control_router(service: CutService, token: str) -> APIRouter:
     return router
 
 
-class IdentityCheck:
-    """ASGI wrapper: a malformed call identity in `vllm_xargs` gets a 400 before it reaches the
-    engine (inside the engine it would surface as an opaque 500). Other requests pass as is."""
+class RequestGate:
+    """ASGI wrapper in front of vLLM's app for the request extensions this project adds.
 
-    PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+    - A malformed call identity in `vllm_xargs` gets a 400 before it reaches the engine
+      (inside the engine it would surface as an opaque 500).
+    - `required_prefix_token_ids` on a chat request is validated and handed to the engine
+      (as `vllm_xargs`); on `/tokenize` the returned ids are spliced the same way, so the
+      tokenize fallback sees the prompt generation used. The completions API is refused: it
+      has no conversation to continue, so supply could not be proven there.
+    Other requests pass through untouched.
+    """
 
-    def __init__(self, app) -> None:
-        self.app = app
+    PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize"})
+
+    def __init__(self, app, turn_end_ids: set[int]) -> None:
+        self.app, self.turn_end_ids = app, turn_end_ids
 
     def __getattr__(self, name: str):
         return getattr(self.app, name)  # uvicorn and vLLM look at app.state
@@ -97,16 +105,82 @@ class IdentityCheck:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        reason = _identity_error(body)
-        if reason is not None:
-            error = {"message": reason, "type": "BadRequestError", "param": "vllm_xargs"}
-            payload = json.dumps({"error": error | {"code": 400}}).encode()
-            headers = [(b"content-type", b"application/json")]
-            await send({"type": "http.response.start", "status": 400, "headers": headers})
-            await send({"type": "http.response.body", "body": payload})
-            return None
+        try:
+            data = json.loads(body or b"{}")
+        except ValueError:
+            data = None  # vLLM answers malformed JSON itself
+        prefix = None
+        if isinstance(data, dict):
+            try:
+                _check_identity(data)
+                prefix = self._take_prefix(scope["path"], data)
+            except ValueError as err:
+                return await _reject(send, str(err))
+            if prefix is not None:
+                body = json.dumps(data).encode()
+                scope = _with_length(scope, len(body))
         replay = _replay([{"type": "http.request", "body": body}], receive)
+        if scope["path"] == "/tokenize" and prefix is not None:
+            return await self._tokenize_with_prefix(scope, replay, send, prefix)
         return await self.app(scope, replay, send)
+
+    @staticmethod
+    def _take_prefix(path: str, data: dict) -> list[int] | None:
+        from rollout_recovery.generation import prefix_supply
+
+        if prefix_supply.FIELD not in data:
+            return None
+        if path == "/v1/completions":
+            raise ValueError(
+                f"{prefix_supply.FIELD} is refused on /v1/completions (supply cannot be proven "
+                "there); use chat completions or disable supply_prefix_token_ids"
+            )
+        prefix = prefix_supply.validate_prefix(data.pop(prefix_supply.FIELD))
+        if path == "/v1/chat/completions":
+            xargs = data.get("vllm_xargs") or {}
+            data["vllm_xargs"] = xargs | {prefix_supply.XARG_REQUIRED_PREFIX: prefix}
+        return prefix
+
+    async def _tokenize_with_prefix(self, scope, receive, send, prefix: list[int]) -> None:
+        from rollout_recovery.generation.prefix_supply import splice_prefix
+
+        start: dict = {}
+        parts: list[bytes] = []
+
+        async def capture(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            else:
+                parts.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        body = b"".join(parts)
+        if start.get("status") == 200:
+            try:
+                out = json.loads(body)
+                out["tokens"] = splice_prefix(out["tokens"], prefix, self.turn_end_ids)
+                out["count"] = len(out["tokens"])
+            except ValueError as err:
+                return await _reject(send, str(err))
+            body = json.dumps(out).encode()
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": start.get("status", 500),
+                    "headers": headers})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
+
+
+def _with_length(scope: dict, length: int) -> dict:
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+    return scope | {"headers": [*headers, (b"content-length", str(length).encode())]}
+
+
+async def _reject(send, reason: str) -> None:
+    error = {"message": reason, "type": "BadRequestError", "code": 400}
+    payload = json.dumps({"error": error}).encode()
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 def _replay(messages: list[dict], receive):
@@ -122,16 +196,8 @@ def _replay(messages: list[dict], receive):
     return replay
 
 
-def _identity_error(body: bytes) -> str | None:
+def _check_identity(data: dict) -> None:
     from rollout_recovery.generation.capture import identity_from_extra_args
 
-    try:
-        data = json.loads(body or b"{}")
-    except ValueError:
-        return None  # vLLM answers malformed JSON itself
-    xargs = data.get("vllm_xargs") if isinstance(data, dict) else None
-    try:
-        identity_from_extra_args(xargs if isinstance(xargs, dict) else None)
-    except ValueError as err:
-        return str(err)
-    return None
+    xargs = data.get("vllm_xargs")
+    identity_from_extra_args(xargs if isinstance(xargs, dict) else None)

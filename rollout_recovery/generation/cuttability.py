@@ -20,6 +20,7 @@ KNOWN_EXTRA_ARGS = {
     SAMPLER_SEED_ARG,
     SAMPLER_TEMPERATURE_ARG,
     *RESUME_ARGS,
+    "rr_required_prefix",
 }
 
 UNCUTTABLE_REASONS = (

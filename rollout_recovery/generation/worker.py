@@ -120,11 +120,12 @@ class GenerationWorker:
         if self._cfg.token_capture.enabled:
             app.include_router(self._install_capture())
         await init_app_state(self._engine, app.state, args, tasks)
-        served = app
-        if self._cfg.token_capture.enabled:
-            from rollout_recovery.generation.control import IdentityCheck
+        from rollout_recovery.generation import prefix_supply
+        from rollout_recovery.generation.control import RequestGate
 
-            served = IdentityCheck(app)
+        ends = prefix_supply.turn_end_ids(self._engine.output_processor.tokenizer)
+        prefix_supply.install(self._engine, ends)  # outermost: resume sees the spliced prompt
+        served = RequestGate(app, ends)
         self._server = NoSignalServer(
             uvicorn.Config(served, log_level="warning", access_log=False, timeout_keep_alive=30)
         )

@@ -204,3 +204,15 @@ def test_assignment_is_validated_too():
     cfg = _load()
     with pytest.raises(ValueError):
         cfg.grpo.steps = 0
+
+
+def test_prefix_supply_rules():
+    msg = _error(
+        "token_capture.supply_prefix_token_ids=true", "token_capture.request_token_ids=false"
+    )
+    assert "needs token_capture.request_token_ids=true" in msg
+    msg = _error(
+        "token_capture.supply_prefix_token_ids=true", "token_capture.use_completions_api=true"
+    )
+    assert "cannot be proven on the completions API" in msg
+    assert _load("token_capture.supply_prefix_token_ids=true").token_capture.supply_prefix_token_ids

@@ -1,0 +1,1 @@
+"""The rollout environment: episodes, token capture, lineage, checkpoints."""

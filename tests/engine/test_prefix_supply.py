@@ -1,0 +1,169 @@
+"""Environment-side token capture against a real worker: lineage, exact prefix supply, proof."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_recovery.environment.lineage import LineageStore
+from rollout_recovery.environment.model_client import ModelCallClient, PrefixNotSuppliedError
+from rollout_recovery.environment.token_entry import ParentResolution
+from rollout_recovery.environment.token_sink import JsonlTokenSink
+
+pytestmark = pytest.mark.engine
+EOS = 2  # <|im_end|> in the tiny model
+# Greedy, and the turn ends after a few tokens with the end-of-turn token.
+TURN = {"temperature": 0.0, "max_tokens": 16, "min_tokens": 6, "logit_bias": {str(EOS): 100}}
+
+
+def _client(url: str, tmp_path, **kw) -> ModelCallClient:
+    return ModelCallClient(
+        url, "policy", JsonlTokenSink(tmp_path / "entries.jsonl"), LineageStore(), **kw
+    )
+
+
+def _tool(result: str) -> dict:
+    return {"role": "tool", "content": result, "tool_call_id": "call0"}
+
+
+def test_three_turn_tool_conversation_has_no_drift(two_workers, tmp_path):
+    url = two_workers[0].info.url
+    mc = _client(url, tmp_path, supply_prefix=True)
+
+    async def conversation():
+        msgs = [{"role": "user", "content": "Use the add tool for 2 + 3, then report."}]
+        results = []
+        for turn in range(3):
+            r = await mc.call("conv", f"t{turn}", msgs, **TURN)
+            results.append(r)
+            msgs = [*msgs, r.assistant_message, _tool(str(5 + turn))]
+        return results
+
+    results = asyncio.run(conversation())
+    assert results[0].entry.parent_resolution == ParentResolution.ROOT
+    for parent, child in itertools.pairwise(results):
+        e = child.entry
+        assert e.parent_resolution == ParentResolution.RESOLVED
+        assert e.parent_call_id == parent.entry.model_call_id
+        assert e.prefix_requested and e.prefix_supplied
+        cum = parent.entry.cumulative_ids()
+        assert e.prompt_token_ids[: len(cum)] == cum  # exactly the parent's tokens: no drift
+        assert parent.entry.generated_token_ids[-1] == EOS
+    # The entries are durable in the sink and re-readable.
+    sink = JsonlTokenSink(tmp_path / "entries.jsonl")
+    assert sink.get("conv/t2/a0") == results[2].entry
+    diag = mc.diagnostics.snapshot()
+    assert diag["supply.supplied"] == 2 and diag["supply.eligible"] == 2
+    assert diag["calls.total"] == 3 and diag["resolve.ROOT"] == 1
+
+
+def test_fork_gets_the_parents_prefix_and_ambiguity_is_not_supplied(two_workers, tmp_path):
+    url = two_workers[0].info.url
+    mc = _client(url, tmp_path, supply_prefix=True)
+    user = {"role": "user", "content": "Pick a tool."}
+
+    async def scenario():
+        root = await mc.call("fork", "root", [user], **TURN)
+        base = [user, root.assistant_message]
+        a = await mc.call("fork", "a", [*base, _tool("left")], **TURN)
+        b = await mc.call("fork", "b", [*base, _tool("right")], **TURN)
+        # Two recorded calls with the same text but different tokens: ambiguous.
+        cum = root.entry.cumulative_ids()
+        mc.lineage.record("amb", "x1", [user], root.assistant_message, cum)
+        mc.lineage.record("amb", "x2", [user], root.assistant_message, [*cum[:-2], 7, EOS])
+        c = await mc.call("amb", "c", [*base, _tool("?")], **TURN)
+        return root, a, b, c
+
+    root, a, b, c = asyncio.run(scenario())
+    cum = root.entry.cumulative_ids()
+    for child in (a, b):
+        assert child.entry.parent_call_id == "root" and child.entry.prefix_supplied
+        assert child.entry.prompt_token_ids[: len(cum)] == cum
+    # Siblings do not see each other's turns.
+    assert a.entry.prompt_token_ids[len(cum) :] != b.entry.prompt_token_ids[len(cum) :]
+    assert c.resolution.reason == "ambiguous"
+    assert not c.entry.prefix_requested and not c.entry.prefix_supplied
+    assert c.entry.parent_call_id is None
+
+
+def test_a_worker_that_ignores_the_prefix_is_caught(two_workers, tmp_path, tiny_model_dir):
+    url = two_workers[0].info.url
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # The parent emits special tokens, which its text (skip_special_tokens) does not carry:
+    # re-rendering that text cannot reproduce its tokens.
+    special = {**TURN, "allowed_token_ids": [tok.convert_tokens_to_ids("<|im_start|>"), EOS]}
+
+    class DropPrefix(httpx.AsyncBaseTransport):
+        """A worker front end that silently drops the required prefix."""
+
+        def __init__(self) -> None:
+            self.inner = httpx.AsyncHTTPTransport()
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path.endswith("/chat/completions"):
+                body = json.loads(request.content)
+                body.pop("required_prefix_token_ids", None)
+                request = httpx.Request(request.method, request.url, json=body)
+            return await self.inner.handle_async_request(request)
+
+    client = httpx.AsyncClient(transport=DropPrefix(), timeout=300)
+    mc = _client(url, tmp_path, supply_prefix=True, client=client)
+    user = {"role": "user", "content": "Use the add tool for 2 + 3, then report."}
+
+    async def scenario():
+        root = await mc.call("ign", "t0", [user], **special)
+        text = root.assistant_message["content"]
+        retok = tok(text, add_special_tokens=False)["input_ids"]
+        assert retok != root.entry.generated_token_ids[:-1], "precondition: the text drifts"
+        with pytest.raises(PrefixNotSuppliedError, match="supply_prefix_token_ids=false"):
+            await mc.call("ign", "t1", [user, root.assistant_message, _tool("5")], **TURN)
+
+    asyncio.run(scenario())
+    assert mc.diagnostics.snapshot()["supply.not_honoured"] == 1
+    assert mc.sink.get("ign/t1/a0") is None  # nothing recorded for the failed call
+
+
+def test_tokenize_with_the_prefix_matches_generation(two_workers, tmp_path):
+    url = two_workers[0].info.url
+    mc = _client(url, tmp_path, supply_prefix=True)
+    user = {"role": "user", "content": "Use the add tool for 2 + 3, then report."}
+
+    async def scenario():
+        root = await mc.call("tok", "t0", [user], **TURN)
+        msgs = [user, root.assistant_message, _tool("5")]
+        child = await mc.call("tok", "t1", msgs, **TURN)
+        body = {
+            "model": "policy",
+            "messages": msgs,
+            "add_generation_prompt": True,
+            "required_prefix_token_ids": root.entry.cumulative_ids(),
+        }
+        async with httpx.AsyncClient() as c:
+            tok = (await c.post(f"{url}/tokenize", json=body)).json()
+            plain_body = {k: v for k, v in body.items() if k != "required_prefix_token_ids"}
+            plain = (await c.post(f"{url}/tokenize", json=plain_body)).json()
+            bad = await c.post(
+                f"{url}/v1/chat/completions",
+                json={
+                    "model": "policy",
+                    "messages": msgs,
+                    "max_tokens": 2,
+                    "required_prefix_token_ids": [1, 2, 3, 99],
+                },
+            )
+            comp = await c.post(
+                f"{url}/v1/completions",
+                json={"model": "policy", "prompt": "hi", "required_prefix_token_ids": [1, 2]},
+            )
+        return child, tok, plain, bad, comp
+
+    child, tok, plain, bad, comp = asyncio.run(scenario())
+    assert tok["tokens"] == child.entry.prompt_token_ids  # fallback sees the generation prompt
+    assert plain["tokens"][-3:] == tok["tokens"][-3:]  # same new turns after the prefix
+    assert bad.status_code == 400 and "end-of-turn" in bad.text
+    assert comp.status_code == 400 and "completions" in comp.text
