@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client import Counter as Counter_
 
 from rollout_recovery.environment.lineage import LineageStore, Resolution
 from rollout_recovery.environment.token_entry import ParentResolution, TokenEntry
@@ -40,8 +41,16 @@ class CallResult:
     resolution: Resolution
 
 
+_EVENTS = Counter_(
+    "rollout_recovery_env_capture_events",
+    "Environment token capture: calls, resolutions by outcome, supply, capture failures",
+    ["event"],
+)
+
+
 class CaptureDiagnostics:
-    """Counters safe under concurrent calls (exported next to the worker's metrics)."""
+    """Counters safe under concurrent calls; also Prometheus series in this process's default
+    registry (the same one the workers' /metrics serves)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -51,6 +60,7 @@ class CaptureDiagnostics:
         with self._lock:
             for n in names:
                 self.counts[n] += 1
+                _EVENTS.labels(n).inc()
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
