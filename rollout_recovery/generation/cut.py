@@ -112,6 +112,21 @@ def _success(ref: CallRef, call: CapturedCall) -> CallReceipt:
     )
 
 
+def _version_spans(call: CapturedCall, n: int) -> list[tuple[int, int, int]]:
+    """(version, start, end) spans of a call's tokens, from vLLM's per-request tracking."""
+    starts = [
+        (int(v), s)
+        for v, s in getattr(call.state, "weight_version_starts", [])
+        if s < n and str(v).isdigit()
+    ]
+    if not starts:
+        return [(call.weight_version, 0, n)]
+    if starts[0][1] > 0:
+        starts.insert(0, (call.weight_version, 0))
+    ends = [s for _, s in starts[1:]] + [n]
+    return [(v, s, e) for (v, s), e in zip(starts, ends, strict=True)]
+
+
 class CutService:
     def __init__(
         self,
@@ -289,7 +304,7 @@ class CutService:
             logprobs=call.sampled_logprobs(0, n),
             loss_mask=np.ones(n, np.int8),
             finish_reason=call.finish_reason or "unknown",
-            weight_versions=[(call.weight_version, 0, n)],
+            weight_versions=_version_spans(call, n),
             digest=token_digest(ids),
         )
         deferred = self.fence.held

@@ -56,6 +56,7 @@ class GenerationWorker:
         self._index = worker_index
         self._store = store
         self._service = None
+        self._weight_version = 0
         self._engine = None
         self._server = None
         self._tasks: list[asyncio.Task] = []
@@ -210,6 +211,23 @@ class GenerationWorker:
     async def drain(self) -> None:
         """Wait until background terminal-row writes are done."""
         await self._require_capture().drain()
+
+    async def push_weights(self, weights_dir: str, weight_version: int) -> int:
+        """Load new policy weights (a directory of safetensors with the served checkpoint's
+        tensor names) and tag every token generated from now on with `weight_version`."""
+        from rollout_recovery.generation.weights import push_weights
+
+        if self._engine is None or self._info is None:
+            raise RuntimeError("worker not started")
+        if weight_version <= self._weight_version:
+            raise ValueError(
+                f"weight_version {weight_version} must be newer than {self._weight_version}"
+            )
+        await push_weights(self._engine, self._info.model, weights_dir, weight_version)
+        self._weight_version = weight_version
+        if self._service is not None:
+            self._service.capture.weight_version = weight_version
+        return weight_version
 
     async def _warm_up(self, url: str) -> None:
         """Pay the one-time costs (~2-3 s: first engine step, first logprobs, chat template)

@@ -1,0 +1,91 @@
+"""Pushing new weights into a running worker: the engine then serves exactly those weights."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import httpx
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file, save_file
+
+from rollout_recovery.data_plane.schemas import table_to_terminal_rows
+from tests.engine.offline_common import run_offline
+
+pytestmark = pytest.mark.engine
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def _chat(url: str, **xargs) -> dict:
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 16, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": True, "return_token_ids": True}  # fmt: skip
+    if xargs:
+        body["vllm_xargs"] = xargs
+    resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _variant(src, dst, edit) -> str:
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_push_serves_new_weights_refuses_bad_ones_and_tags_versions(
+    capture_worker, tiny_model_dir, tiny_cfg, tmp_path
+):
+    worker, store = capture_worker
+    url, actor = worker.info.url, worker.actor
+    before = _chat(url)
+
+    def perturb(t):
+        gen = torch.Generator().manual_seed(7)
+        t["lm_head.weight"] *= 1.5
+        w = t["model.layers.1.mlp.down_proj.weight"]
+        w += 0.05 * torch.randn(w.shape, generator=gen)
+
+    new_dir = _variant(tiny_model_dir, tmp_path / "v1", perturb)
+    assert ray.get(actor.push_weights.remote(new_dir, 1)) == 1
+    after = _chat(url)
+    prompt = after["prompt_token_ids"]
+    ref = run_offline(
+        "offline_reference.py",
+        {"model": new_dir, "prompt_token_ids": prompt, "max_tokens": 16},
+        tiny_cfg,
+    )
+    assert after["choices"][0]["token_ids"] == ref["token_ids"]
+    lps = [c["logprob"] for c in after["choices"][0]["logprobs"]["content"]]
+    assert lps == ref["logprobs"]
+    assert after["choices"][0]["token_ids"] != before["choices"][0]["token_ids"]
+
+    # Bad pushes change nothing: a missing tensor, a wrong shape, an old version.
+    missing = _variant(tiny_model_dir, tmp_path / "bad1", lambda t: t.pop("lm_head.weight"))
+    wrong = _variant(
+        tiny_model_dir, tmp_path / "bad2",
+        lambda t: t.__setitem__("model.norm.weight", torch.ones(3)),
+    )  # fmt: skip
+    with pytest.raises(ray.exceptions.RayTaskError, match=re.escape("missing ['lm_head.weight']")):
+        ray.get(actor.push_weights.remote(missing, 2))
+    with pytest.raises(ray.exceptions.RayTaskError, match=re.escape("model.norm.weight")):
+        ray.get(actor.push_weights.remote(wrong, 2))
+    with pytest.raises(ray.exceptions.RayTaskError, match="must be newer"):
+        ray.get(actor.push_weights.remote(new_dir, 1))
+    assert ray.get(actor.health.remote()).healthy
+    assert _chat(url)["choices"][0]["token_ids"] == after["choices"][0]["token_ids"]
+
+    # Tokens generated now carry weight version 1.
+    _chat(url, rr_rollout_id="wv", rr_model_call_id="c0")
+    ray.get(actor.drain.remote())
+    table, missing_keys = store.get("rollout_terminal", ["wv/c0/a0/terminal"])
+    assert not missing_keys
+    [row] = table_to_terminal_rows(table)
+    assert row.weight_versions == [(1, 0, 16)]
+
+    # Pushing the original weights back restores the original answers exactly.
+    assert ray.get(actor.push_weights.remote(str(tiny_model_dir), 2)) == 2
+    assert _chat(url)["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
