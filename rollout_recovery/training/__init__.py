@@ -1,0 +1,1 @@
+"""Training: the GRPO driver's policy, loss and trainer checkpoints."""
