@@ -19,17 +19,11 @@ PROMPT_TEMPLATES = [
 
 def make_prompts(n: int, seed: int) -> list[list[dict]]:
     rng = random.Random(seed)
-    return [
-        [
-            {
-                "role": "user",
-                "content": rng.choice(PROMPT_TEMPLATES).format(
-                    a=rng.randrange(100), b=rng.randrange(100)
-                ),
-            }
-        ]  # fmt: skip
-        for _ in range(n)
-    ]
+    out = []
+    for _ in range(n):
+        text = rng.choice(PROMPT_TEMPLATES).format(a=rng.randrange(100), b=rng.randrange(100))
+        out.append([{"role": "user", "content": text}])
+    return out
 
 
 def digit_reward(text: str) -> float:
