@@ -105,6 +105,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from rollout_recovery.training.driver import train
+
+    cfg = load_config(args.config, args.overrides)
+    history = train(cfg, ray_address=args.ray_address)
+    first, last = history[0], history[-1]
+    print(
+        f"[train] {len(history)} steps: mean reward {first['mean_reward']:.3f} -> "
+        f"{last['mean_reward']:.3f}; log {cfg.checkpointing.checkpoint_dir}/steps.jsonl"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollout-recovery",
@@ -141,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=24, help="tokens to generate")
     p.add_argument("--verbose", action="store_true", help="show the workers' logs")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser(
+        "train",
+        help="run the small GRPO driver (rollouts through the workers, train, push, checkpoint)",
+        description="Run GRPO on the toy digit task: sample seeded temperature-1 rollouts "
+        "through the GenerationWorkers, train the policy in torch, push weights, checkpoint.",
+    )
+    _add_config_args(p)
+    _add_ray_args(p)
+    p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
         "serve",

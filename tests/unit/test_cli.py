@@ -7,7 +7,7 @@ import pytest
 
 from rollout_recovery.cli import build_parser, main
 
-SUBCOMMANDS = ["make-tiny-model", "config", "demo", "serve"]
+SUBCOMMANDS = ["make-tiny-model", "config", "demo", "train", "serve"]
 
 
 def test_every_subcommand_is_listed_in_help():
