@@ -60,6 +60,16 @@ class LeaseEntry(BaseModel):
     keys: list[str]
 
 
+class SidecarEntry(BaseModel):
+    """A small file published with the snapshot (a controller ledger, episode records)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    bytes: int
+    sha256: str
+
+
 class ManifestBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -73,6 +83,7 @@ class ManifestBody(BaseModel):
     leases: list[LeaseEntry]
     payload_bytes: int
     meta: dict[str, str] = {}
+    sidecars: list[SidecarEntry] = []
 
 
 class Manifest(BaseModel):
@@ -176,6 +187,34 @@ def read_verified(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> p
             f"snapshot file {entry.path} has {table.num_rows} rows, manifest says {entry.rows}"
         )
     return table
+
+
+_SIDECAR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def write_sidecar(fs: pafs.FileSystem, snapshot_dir: str, name: str, data: bytes) -> SidecarEntry:
+    if not _SIDECAR_RE.fullmatch(name):
+        raise ValueError(f"invalid sidecar name {name!r}")
+    path = join(snapshot_dir, "sidecars", name)
+    fs.create_dir(join(snapshot_dir, "sidecars"), recursive=True)
+    with fs.open_output_stream(path) as out:
+        out.write(data)
+    if _is_local(fs):
+        _fsync_path(path)
+        _fsync_path(join(snapshot_dir, "sidecars"), directory=True)
+    return SidecarEntry(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def read_sidecar(fs: pafs.FileSystem, snapshot_dir: str, entry: SidecarEntry) -> bytes:
+    path = join(snapshot_dir, "sidecars", entry.name)
+    try:
+        with fs.open_input_stream(path) as f:
+            data = f.read()
+    except (FileNotFoundError, OSError):
+        raise SnapshotCorruptError(f"snapshot sidecar {entry.name} is missing") from None
+    if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise SnapshotCorruptError(f"snapshot sidecar {entry.name} fails its sha256 check")
+    return data
 
 
 def _body_digest(body: ManifestBody) -> str:

@@ -36,7 +36,9 @@ from rollout_recovery.data_plane.snapshot_io import (
     now_iso,
     publish_manifest,
     read_manifest,
+    read_sidecar,
     resolve,
+    write_sidecar,
 )
 
 KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
@@ -322,10 +324,17 @@ class StagingStore:
 
     # ------------------------------------------------------------------ snapshots
 
-    def snapshot(self, root_uri: str, meta: dict[str, str] | None = None) -> SnapshotResult:
+    def snapshot(
+        self,
+        root_uri: str,
+        meta: dict[str, str] | None = None,
+        sidecars: dict[str, bytes] | None = None,
+    ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
         Every put that returned before this call is in it; each shard is captured atomically.
+        `sidecars` (name -> bytes, e.g. a controller ledger) are written, checksummed and listed
+        in the manifest before it is published.
         """
         fs, root = resolve(root_uri)
         seq, path = new_snapshot_dir(fs, root)
@@ -333,6 +342,7 @@ class StagingStore:
         results = ray.get([s.snapshot.remote(uri) for s in self.shards], timeout=self.timeout_s)
         files = [f for fs_, _ in results for f in fs_]
         leases = [le for _, ls in results for le in ls]
+        side = [write_sidecar(fs, path, n, d) for n, d in (sidecars or {}).items()]
         body = ManifestBody(
             snapshot_id=path.rstrip("/").rsplit("-", 1)[-1],
             seq=seq,
@@ -343,8 +353,19 @@ class StagingStore:
             leases=leases,
             payload_bytes=sum(f.bytes for f in files),
             meta=dict(meta or {}),
+            sidecars=side,
         )
         return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body))
+
+    @staticmethod
+    def read_sidecar(snapshot_uri: str, name: str) -> bytes:
+        """A verified sidecar of a published snapshot."""
+        fs, path = resolve(snapshot_uri)
+        manifest = read_manifest(fs, path)
+        for entry in manifest.body.sidecars:
+            if entry.name == name:
+                return read_sidecar(fs, path, entry)
+        raise SnapshotCorruptError(f"snapshot {snapshot_uri} has no sidecar {name!r}")
 
     def restore(self, snapshot_uri: str) -> Manifest:
         """Replace the store's contents with a verified snapshot; a bad one changes nothing.

@@ -149,8 +149,13 @@ def test_restore_reproduces_the_store_exactly(make_store, tmp_path):
     store.delete("rollout_staging", _keys("a", 5, start=3))
     store.put("replay", replay_table(_keys("r", 9)))
     store.put("rollout_terminal", pa.Table.from_pylist([], schema=_terminal_schema()))
-    snap = store.snapshot(str(tmp_path), meta={"step": "7"})
+    snap = store.snapshot(str(tmp_path), meta={"step": "7"}, sidecars={"ledger.json": b"{}"})
     assert snap.manifest.body.meta == {"step": "7"}
+    assert StagingStore.read_sidecar(snap.uri, "ledger.json") == b"{}"
+    (Path(snap.uri) / "sidecars" / "ledger.json").write_bytes(b"[]")
+    with pytest.raises(SnapshotCorruptError, match=r"sidecar ledger\.json fails"):
+        StagingStore.read_sidecar(snap.uri, "ledger.json")
+    (Path(snap.uri) / "sidecars" / "ledger.json").write_bytes(b"{}")
     fresh = make_store(1)
     fresh.put("replay", replay_table(["stale/1"]))  # replaced by the restore
     fresh.restore(snap.uri)
