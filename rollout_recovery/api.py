@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,13 +20,24 @@ import numpy as np
 import ray
 
 from rollout_recovery.config import RolloutRecoveryConfig
-from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore, replay_rows_to_table
+from rollout_recovery.data_plane import (
+    LeaseResult,
+    ReplayRow,
+    SnapshotError,
+    StagingStore,
+    replay_rows_to_table,
+    table_to_replay_rows,
+)
+from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.environment.lineage import LineageStore
 from rollout_recovery.environment.model_client import ModelCallClient
 from rollout_recovery.environment.token_sink import StoreTokenSink
 from rollout_recovery.generation import WorkerHandle, start_workers, stop_workers
 from rollout_recovery.runtime import init_ray
 from rollout_recovery.tiny_model import resolve_model_path
+
+log = logging.getLogger("rollout_recovery")
+LEDGER = "ledger.json"
 
 
 @dataclass
@@ -47,6 +60,13 @@ class RolloutRecovery:
         self._rr = itertools.count()
         # One private loop for every async call: HTTP connection pools belong to a loop.
         self._loop = asyncio.new_event_loop()
+        self.step = 0  # the trainer step whose rollouts are being generated
+        self._inflight: dict[str, tuple[int, int, int]] = {}  # rollout -> (worker, attempt, limit)
+        self._epoch = itertools.count(1)
+        self.snapshot_root = str(Path(cfg.checkpointing.checkpoint_dir) / "data_plane")
+        self.checkpoint_log = Path(cfg.checkpointing.checkpoint_dir) / "checkpoints.jsonl"
+        self.restored_calls = 0
+        self.restored_prefix_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -76,18 +96,38 @@ class RolloutRecovery:
 
     # ------------------------------------------------------------------ rollouts
 
-    async def _generate(self, group_id: str, messages, gen_index: int, seed: int, reward_fn):
-        client = self.clients[next(self._rr) % len(self.clients)]
+    async def _generate(
+        self, group_id: str, messages, gen_index: int, seed: int, reward_fn, resume: dict | None
+    ):
+        worker = next(self._rr) % len(self.clients)
+        client = self.clients[worker]
         g = self.cfg.policy.generation
         rollout_id = f"{group_id}-g{gen_index}"
-        res = await client.call(
-            rollout_id,
-            "c0",
-            messages,
-            temperature=0.0,
-            max_tokens=g.max_new_tokens,
-            vllm_xargs={"rr_seed": seed, "rr_temperature": g.temperature},
-        )
+        attempt = resume["attempt"] + 1 if resume else 0
+        xargs = {"rr_seed": seed, "rr_temperature": g.temperature}
+        if resume and resume.get("keys"):
+            xargs |= {
+                "rr_resume_keys": resume["keys"],
+                "rr_resume_tokens": resume["tokens"],
+                "rr_resume_digest": resume["digest"],
+                "rr_resume_limit": g.max_new_tokens,
+            }
+            self.restored_calls += 1
+            self.restored_prefix_tokens += resume["tokens"]
+        self._inflight[rollout_id] = (worker, attempt, g.max_new_tokens)
+        try:
+            res = await client.call(
+                rollout_id,
+                "c0",
+                messages,
+                attempt=attempt,
+                temperature=0.0,
+                max_tokens=g.max_new_tokens,
+                ignore_eos=True,
+                vllm_xargs=xargs,
+            )
+        finally:
+            self._inflight.pop(rollout_id, None)
         e = res.entry
         prompt, gen = e.prompt_token_ids, e.generated_token_ids
         reward = float(reward_fn(res.assistant_message.get("content") or ""))
@@ -104,6 +144,8 @@ class RolloutRecovery:
             weight_version_min=self.weight_version,
             weight_version_max=self.weight_version,
         )
+        # Durable as soon as it is finished: a crash later does not regenerate it.
+        await self.store.aput("replay", replay_rows_to_table([row]))
         return row, len(gen)
 
     def submit_groups(
@@ -111,23 +153,42 @@ class RolloutRecovery:
         groups: list[tuple[str, list[dict]]],
         seeds: Callable[[int, int], int],
         reward_fn: Callable[[str], float],
+        resume: dict[str, dict] | None = None,
     ) -> list[GroupResult]:
         """Generate `grpo.generations_per_prompt` rollouts per (group id, messages) pair,
         concurrently, and put them into the `replay` partition. `seeds(group, gen)` gives each
-        generation its own sampler seed, so runs are reproducible."""
+        generation its own sampler seed, so runs are reproducible. Rollouts whose replay row is
+        already stored (restored from a snapshot) are not generated again; `resume` maps a
+        rollout id to its continuation from the ledger (attempt, staging keys, tokens, digest)."""
         n = self.cfg.grpo.generations_per_prompt
+        resume = resume or {}
+        done = set(self.store.list("replay"))
+
+        async def existing(key: str):
+            table, _ = await self.store.aget("replay", [key])
+
+            return table_to_replay_rows(table)[0], 0
+
+        def job(gi: int, gid: str, msgs, i: int):
+            if f"{gid}/{i:03d}" in done:
+                return existing(f"{gid}/{i:03d}")
+            return self._generate(gid, msgs, i, seeds(gi, i), reward_fn, resume.get(f"{gid}-g{i}"))
 
         async def run():
             jobs = [
-                self._generate(gid, msgs, i, seeds(gi, i), reward_fn)
-                for gi, (gid, msgs) in enumerate(groups)
-                for i in range(n)
+                job(gi, gid, msgs, i) for gi, (gid, msgs) in enumerate(groups) for i in range(n)
             ]
-            return await asyncio.gather(*jobs)
+            cadence = None
+            if self.cfg.rollout_recovery.target_level == "prefix":
+                cadence = asyncio.ensure_future(self._checkpoint_cadence())
+            try:
+                return await asyncio.gather(*jobs)
+            finally:
+                if cadence is not None:
+                    cadence.cancel()
+                    await asyncio.gather(cadence, return_exceptions=True)
 
         out = self._loop.run_until_complete(run())
-        rows = [r for r, _ in out]
-        self.store.put("replay", replay_rows_to_table(rows))
         results = []
         for gi, (gid, _) in enumerate(groups):
             part = out[gi * n : (gi + 1) * n]
@@ -149,13 +210,100 @@ class RolloutRecovery:
                  for w in self.workers])  # fmt: skip
         return self.weight_version
 
+    # ------------------------------------------------------------------ checkpoints
+
+    async def _checkpoint_cadence(self) -> None:
+        interval = self.cfg.rollout_checkpointing.snapshot_attempt_interval_s
+        failures = 0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.checkpoint("cadence")
+                failures = 0
+            except Exception as err:
+                failures += 1
+                log.warning("rollout checkpoint attempt failed (%s): %s", failures, err)
+                if failures >= self.cfg.rollout_checkpointing.max_consecutive_failures:
+                    raise
+
+    async def checkpoint(self, reason: str) -> dict:
+        """Fence every worker, cut in-flight calls, snapshot the store with the ledger (manifest
+        last), release the fences. Returns the per-checkpoint metrics (also appended to
+        checkpoints.jsonl)."""
+        t0 = time.monotonic()
+        epoch = next(self._epoch)
+        lease_s = self.cfg.token_capture.control_timeout_s * 3
+        await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in self.workers))
+        try:
+            inflight = dict(self._inflight)
+            per_worker: dict[int, list[dict]] = {}
+            for rid, (worker, attempt, _) in inflight.items():
+                per_worker.setdefault(worker, []).append(
+                    {"rollout_id": rid, "model_call_id": "c0", "attempt": attempt}
+                )
+            ckpt_id = f"ckpt-{self.step}-{epoch}"
+            receipts = await asyncio.gather(*(
+                self.workers[w].actor.cut.remote({"checkpoint_id": ckpt_id, "calls": calls})
+                for w, calls in per_worker.items()
+            ))  # fmt: skip
+            continuations, reasons = {}, {}
+            for receipt in receipts:
+                for c in receipt["calls"]:
+                    if c["disposition"] == "durable_prefix" and c["cut_kind"] == "active_prefix":
+                        continuations[c["rollout_id"]] = {
+                            "attempt": c["attempt"], "keys": c["staging_keys"],
+                            "tokens": c["prefix_token_count"], "digest": c["prefix_digest"],
+                        }  # fmt: skip
+                    else:
+                        why = c["reason"] or c["cut_kind"]
+                        reasons[why] = reasons.get(why, 0) + 1
+            ledger = {"format": 1, "step": self.step, "weight_version": self.weight_version,
+                      "continuations": continuations, "reason": reason}  # fmt: skip
+            s0 = time.monotonic()
+            snap = await self.store.asnapshot(
+                self.snapshot_root,
+                meta={"trainer_step": str(self.step), "reason": reason},
+                sidecars={LEDGER: json.dumps(ledger, sort_keys=True).encode()},
+            )
+            snapshot_s = time.monotonic() - s0
+        finally:
+            fence_s = time.monotonic() - t0
+            await asyncio.gather(*(w.actor.end_fence.remote(epoch) for w in self.workers))
+        StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
+        metrics = {
+            "checkpoint": snap.uri, "reason": reason, "step": self.step,
+            "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,
+            "calls_cut": len(continuations), "calls_not_cut": reasons,
+        }  # fmt: skip
+        with open(self.checkpoint_log, "a") as fh:
+            fh.write(json.dumps(metrics) + "\n")
+        return metrics
+
+    def restore(self, mode: str = "latest") -> dict | None:
+        """Load the newest published snapshot (`mode="trainer_checkpoint"`: the newest taken
+        right after a trainer checkpoint), falling back to the previous one if it is corrupt,
+        and return its ledger; None when there is nothing to restore."""
+        for uri in reversed(published_uris(self.snapshot_root)):
+            if mode == "trainer_checkpoint":
+                meta = StagingStore.manifest(uri).body.meta
+                if meta.get("reason") != "trainer_checkpoint":
+                    continue
+            try:
+                self.store.restore(uri)
+                ledger = json.loads(StagingStore.read_sidecar(uri, LEDGER))
+            except SnapshotError as err:
+                log.warning("snapshot %s unusable (%s); trying the previous one", uri, err)
+                continue
+            print(f"Selected rollout recovery snapshot: {uri}", flush=True)
+            self.step = ledger["step"]
+            return ledger
+        return None
+
     def notify_trainer_checkpoint(self, step: int) -> dict:
         """After a trainer checkpoint: snapshot the data plane (so a restore never pairs
         rollouts with weights no checkpoint holds) and keep the newest keep_latest_k."""
         if not self.cfg.checkpointing.save_data_plane:
             return {"snapshot_s": 0.0}
-        t0 = time.monotonic()
-        root = str(Path(self.cfg.checkpointing.checkpoint_dir) / "data_plane")
-        snap = self.store.snapshot(root, meta={"trainer_step": str(step)})
-        StagingStore.gc(root, self.cfg.rollout_checkpointing.keep_latest_k)
-        return {"snapshot_s": time.monotonic() - t0, "snapshot": snap.uri}
+        self.step = step
+        metrics = self._loop.run_until_complete(self.checkpoint("trainer_checkpoint"))
+        return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}

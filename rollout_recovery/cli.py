@@ -109,7 +109,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from rollout_recovery.training.driver import train
 
     cfg = load_config(args.config, args.overrides)
-    history = train(cfg, ray_address=args.ray_address)
+    history = train(cfg, ray_address=args.ray_address, restore=args.restore)
     first, last = history[0], history[-1]
     print(
         f"[train] {len(history)} steps: mean reward {first['mean_reward']:.3f} -> "
@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     _add_ray_args(p)
+    p.add_argument(
+        "--restore",
+        action="store_true",
+        help="continue from the newest published snapshot (rollout_checkpointing.restore_mode)",
+    )
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(

@@ -299,6 +299,16 @@ def latest_uri(root_uri: str) -> str | None:
     return None if found is None else child_uri(root_uri, found.rstrip("/").rsplit("/", 1)[-1])
 
 
+def published_uris(root_uri: str) -> list[str]:
+    """URIs of every published snapshot under root_uri, oldest first."""
+    fs, root = resolve(root_uri)
+    return [
+        child_uri(root_uri, d.rstrip("/").rsplit("/", 1)[-1])
+        for _, d, ok in _list_snapshot_dirs(fs, root)
+        if ok
+    ]
+
+
 def require_latest(root_uri: str) -> str:
     found = latest_uri(root_uri)
     if found is None:

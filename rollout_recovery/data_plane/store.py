@@ -358,6 +358,12 @@ class StagingStore:
         return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body))
 
     @staticmethod
+    def manifest(snapshot_uri: str) -> Manifest:
+        """The verified manifest of a published snapshot."""
+        fs, path = resolve(snapshot_uri)
+        return read_manifest(fs, path)
+
+    @staticmethod
     def read_sidecar(snapshot_uri: str, name: str) -> bytes:
         """A verified sidecar of a published snapshot."""
         fs, path = resolve(snapshot_uri)
@@ -402,8 +408,13 @@ class StagingStore:
         ray.get([s.restore_commit.remote() for s in self.shards])
         return manifest
 
-    async def asnapshot(self, root_uri: str, meta: dict[str, str] | None = None) -> SnapshotResult:
-        return await asyncio.to_thread(self.snapshot, root_uri, meta)
+    async def asnapshot(
+        self,
+        root_uri: str,
+        meta: dict[str, str] | None = None,
+        sidecars: dict[str, bytes] | None = None,
+    ) -> SnapshotResult:
+        return await asyncio.to_thread(self.snapshot, root_uri, meta, sidecars)
 
     async def arestore(self, snapshot_uri: str) -> Manifest:
         return await asyncio.to_thread(self.restore, snapshot_uri)

@@ -9,7 +9,9 @@ data-plane snapshot. One JSON line per step goes to `<checkpoint_dir>/steps.json
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from tqdm import tqdm
 from rollout_recovery.api import RolloutRecovery
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.data_plane.schemas import list_rows
-from rollout_recovery.training.checkpoint import save_trainer_checkpoint
+from rollout_recovery.training.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
 from rollout_recovery.training.task import digit_reward, make_prompts
@@ -50,7 +52,27 @@ def _batch_tensors(table):
     return out_ids, attn, mask[:, 1:], old[:, 1:], torch.tensor(rewards[order], dtype=torch.float32)
 
 
-def train(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> list[dict]:
+def _batch_digest(table) -> str:
+    h = hashlib.sha256()
+    keys = table.column("key").to_pylist()
+    ids = list_rows(table, "token_ids")
+    rewards = table.column("reward").to_pylist()
+    for i in sorted(range(len(keys)), key=keys.__getitem__):
+        h.update(keys[i].encode())
+        h.update(ids[i].tobytes())
+        h.update(repr(rewards[i]).encode())
+    return h.hexdigest()
+
+
+def _trainer_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "trainer" / f"step-{step:06d}"
+
+
+def train(
+    cfg: RolloutRecoveryConfig, ray_address: str = "local", restore: bool = False
+) -> list[dict]:
+    """Run (or, with restore, continue) GRPO. Restore loads the newest published snapshot, the
+    trainer checkpoint of the same step, and resumes the step in progress from its ledger."""
     g = cfg.grpo
     torch.manual_seed(g.seed)
     run_dir = Path(cfg.checkpointing.checkpoint_dir)
@@ -61,8 +83,25 @@ def train(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> list[dict]:
     try:
         model = load_policy(rr.model_dir)
         opt = torch.optim.AdamW(model.parameters(), lr=g.learning_rate)
-        bar = tqdm(range(g.steps), desc="grpo", unit="step")
+        start, resume = 0, {}
+        if restore:
+            ledger = rr.restore(cfg.rollout_checkpointing.restore_mode)
+            if ledger is not None:
+                start, resume = ledger["step"], ledger["continuations"]
+                if start > 0:
+                    ckpt = _trainer_dir(run_dir, start)
+                    if not (ckpt / "meta.json").exists():
+                        raise RuntimeError(
+                            f"snapshot is for trainer step {start} but {ckpt} is missing; "
+                            "restore needs the trainer checkpoint the snapshot followed"
+                        )
+                    load_trainer_checkpoint(ckpt, model, opt)
+                    rr.weight_version = ledger["weight_version"] - 1
+                    rr.push_weights(export_weights(model, run_dir / "weights"))
+        bar = tqdm(range(start, g.steps), desc="grpo", unit="step", initial=start, total=g.steps)
         for step in bar:
+            rr.step = step
+            calls0, tokens0 = rr.restored_calls, rr.restored_prefix_tokens
             t0 = time.monotonic()
             prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
             groups = [(f"s{step:04d}-p{i:03d}", msgs) for i, msgs in enumerate(prompts)]
@@ -70,7 +109,9 @@ def train(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> list[dict]:
             def seeds(gi: int, gen: int, step: int = step) -> int:
                 return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen
 
-            results = rr.submit_groups(groups, seeds, digit_reward)
+            results = rr.submit_groups(
+                groups, seeds, digit_reward, resume=resume if step == start else None
+            )
             gen_s = time.monotonic() - t0
             tokens = sum(r.generated_tokens for r in results)
             lease = rr.take_batch(len(groups) * g.generations_per_prompt)
@@ -83,9 +124,14 @@ def train(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> list[dict]:
             rr.ack(lease)
             version = rr.push_weights(export_weights(model, run_dir / "weights"))
             c0 = time.monotonic()
-            save_trainer_checkpoint(run_dir / "trainer", model, opt,
-                                    {"step": step + 1, "data_cursor": step + 1})  # fmt: skip
+            save_trainer_checkpoint(
+                _trainer_dir(run_dir, step + 1), model, opt,
+                {"step": step + 1, "data_cursor": step + 1},
+            )  # fmt: skip
             snap = rr.notify_trainer_checkpoint(step + 1)
+            keep = cfg.rollout_checkpointing.keep_latest_k + 1
+            for old in sorted((run_dir / "trainer").glob("step-*"))[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
             ckpt_s = time.monotonic() - c0
             record = {
                 "step": step + 1,
@@ -96,6 +142,9 @@ def train(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> list[dict]:
                 "weight_version": version,
                 "checkpoint_s": ckpt_s,
                 "snapshot_s": snap["snapshot_s"],
+                "batch_digest": _batch_digest(lease.rows),
+                "restored_calls": rr.restored_calls - calls0,
+                "restored_prefix_tokens": rr.restored_prefix_tokens - tokens0,
             }
             history.append(record)
             with open(log_path, "a") as fh:

@@ -25,7 +25,7 @@ def test_grpo_driver_learns_the_toy_task_and_checkpoints(ray_session, tiny_cfg, 
     assert history[-1]["mean_reward"] > history[0]["mean_reward"] + 0.2
     lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == list(range(1, 7))
-    meta = json.loads((tmp_path / "run" / "trainer" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "run" / "trainer" / "step-000006" / "meta.json").read_text())
     assert meta["extra"] == {"step": 6, "data_cursor": 6}
     root = str(tmp_path / "run" / "data_plane")
     latest = StagingStore.latest(root)
@@ -35,7 +35,7 @@ def test_grpo_driver_learns_the_toy_task_and_checkpoints(ray_session, tiny_cfg, 
     store = StagingStore.create(num_shards=1)
     try:
         manifest = store.restore(latest)
-        assert manifest.body.meta == {"trainer_step": "6"}
+        assert manifest.body.meta == {"trainer_step": "6", "reason": "trainer_checkpoint"}
         assert store.list("replay") == []
         assert len(store.list("token_entries")) == 6 * 4 * 4
     finally:
