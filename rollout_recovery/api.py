@@ -258,7 +258,8 @@ class RolloutRecovery:
                         why = c["reason"] or c["cut_kind"]
                         reasons[why] = reasons.get(why, 0) + 1
             ledger = {"format": 1, "step": self.step, "weight_version": self.weight_version,
-                      "continuations": continuations, "reason": reason}  # fmt: skip
+                      "continuations": continuations, "reason": reason,
+                      "level": self.cfg.rollout_recovery.target_level}  # fmt: skip
             s0 = time.monotonic()
             snap = await self.store.asnapshot(
                 self.snapshot_root,
@@ -279,25 +280,19 @@ class RolloutRecovery:
             fh.write(json.dumps(metrics) + "\n")
         return metrics
 
-    def restore(self, mode: str = "latest") -> dict | None:
-        """Load the newest published snapshot (`mode="trainer_checkpoint"`: the newest taken
-        right after a trainer checkpoint), falling back to the previous one if it is corrupt,
-        and return its ledger; None when there is nothing to restore."""
-        for uri in reversed(published_uris(self.snapshot_root)):
-            if mode == "trainer_checkpoint":
-                meta = StagingStore.manifest(uri).body.meta
-                if meta.get("reason") != "trainer_checkpoint":
-                    continue
-            try:
-                self.store.restore(uri)
-                ledger = json.loads(StagingStore.read_sidecar(uri, LEDGER))
-            except SnapshotError as err:
-                log.warning("snapshot %s unusable (%s); trying the previous one", uri, err)
-                continue
-            print(f"Selected rollout recovery snapshot: {uri}", flush=True)
-            self.step = ledger["step"]
-            return ledger
-        return None
+    def restore(self, mode: str | None = None) -> dict | None:
+        """Restore the store from the snapshot `restore_snapshot` selects; returns its ledger,
+        or None when there is nothing to restore."""
+        picked = restore_snapshot(
+            self.store,
+            self.snapshot_root,
+            mode or self.cfg.rollout_checkpointing.restore_mode,
+            self.cfg.rollout_recovery.target_level,
+        )
+        if picked is None:
+            return None
+        self.step = picked[1]["step"]
+        return picked[1]
 
     def notify_trainer_checkpoint(self, step: int) -> dict:
         """After a trainer checkpoint: snapshot the data plane (so a restore never pairs
@@ -307,3 +302,39 @@ class RolloutRecovery:
         self.step = step
         metrics = self._loop.run_until_complete(self.checkpoint("trainer_checkpoint"))
         return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}
+
+
+LEVELS = ("none", "turn", "prefix")
+
+
+def restore_snapshot(store: StagingStore, root: str, mode: str, level: str):
+    """Pick and load a snapshot: the newest published one (`mode="trainer_checkpoint"`: the
+    newest taken right after a trainer checkpoint). One that is corrupt is skipped, with a
+    message, for the one before it. A snapshot holding work of a finer recovery level than
+    `level` is refused with the setting that restores it. Returns (uri, ledger) or None."""
+    for uri in reversed(published_uris(root)):
+        try:
+            manifest = StagingStore.manifest(uri)
+            if mode == "trainer_checkpoint" and manifest.body.meta.get("reason") != (
+                "trainer_checkpoint"
+            ):
+                continue
+            ledger = json.loads(StagingStore.read_sidecar(uri, LEDGER))
+        except SnapshotError as err:
+            print(f"Snapshot {uri} is unusable ({err}); falling back to the previous one")
+            continue
+        taken = ledger.get("level", "none")
+        if ledger["continuations"] and LEVELS.index(taken) > LEVELS.index(level):
+            raise RuntimeError(
+                f"snapshot {uri} holds {taken}-level recovery state; restore it with "
+                f"rollout_recovery.target_level={taken}, or use "
+                "rollout_checkpointing.restore_mode=trainer_checkpoint"
+            )
+        try:
+            store.restore(uri)
+        except SnapshotError as err:
+            print(f"Snapshot {uri} is unusable ({err}); falling back to the previous one")
+            continue
+        print(f"Selected rollout recovery snapshot: {uri}", flush=True)
+        return uri, ledger
+    return None

@@ -213,6 +213,16 @@ class RolloutRecoveryConfig(_Block):
                 "rollout_recovery.target_level=prefix needs token_capture.enabled=true "
                 "(prefixes are cut from captured tokens); set it, or use target_level=turn"
             )
+        if (
+            level == "prefix"
+            and self.policy.generation.temperature > 0
+            and not self.vllm_cfg.position_keyed_sampler
+        ):
+            raise ConfigError(
+                "rollout_recovery.target_level=prefix with policy.generation.temperature>0 needs "
+                "vllm_cfg.position_keyed_sampler=true (seeded sampling must be resumable, or no "
+                "call could be cut); set it, or use target_level=turn"
+            )
         if level == "prefix" and self.policy.generation.top_logprobs > 0:
             raise ConfigError(
                 "rollout_recovery.target_level=prefix refuses policy.generation.top_logprobs="

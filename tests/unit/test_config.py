@@ -89,6 +89,15 @@ def test_extends_merges_base_under_file():
             "`rollout_checkpointing.keep_latest_k`: must be >= 1",
         ),
         (
+            [
+                "rollout_recovery.target_level=prefix",
+                "checkpointing.save_data_plane=true",
+                "token_capture.enabled=true",
+                "vllm_cfg.position_keyed_sampler=false",
+            ],
+            "needs vllm_cfg.position_keyed_sampler=true",
+        ),
+        (
             ["vllm_cfg.kv_cache_memory_bytes=null"],
             "vllm_cfg.kv_cache_memory_bytes must be set when vllm_cfg.device=cpu",
         ),
