@@ -100,6 +100,7 @@ class CapturedCall:
     weight_version: int
     staged_tokens: int = 0
     chunk_keys: list[str] = field(default_factory=list)
+    superseded_keys: list[str] = field(default_factory=list)  # a resumed attempt's old chunks
     chain_digest: bytes = CHAIN_ROOT
     weight_versions: list[int] = field(default_factory=list)  # per staged chunk
     finished: bool = False

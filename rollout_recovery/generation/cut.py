@@ -315,7 +315,8 @@ class CutService:
             self.metrics.tally["terminal_errors"] += 1
             return
         self.metrics.count("terminal_rows")
-        if call.chunk_keys and (deferred or self.fence.held):
+        stale = [*call.chunk_keys, *call.superseded_keys]
+        if stale and (deferred or self.fence.held):
             self.metrics.count("deferred_deletes")
         while True:
             await self.fence.wait_released()
@@ -323,8 +324,9 @@ class CutService:
                 if self.fence.held:
                     continue
                 call.terminal_staged = True
-                if call.chunk_keys:
-                    await self._discard(list(call.chunk_keys))
+                stale = [*call.chunk_keys, *call.superseded_keys]
+                if stale:
+                    await self._discard(stale)
                 break
         self.capture.forget(call)
 

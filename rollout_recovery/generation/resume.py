@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,6 +47,7 @@ class Prefix:
     ids: np.ndarray
     logprobs: np.ndarray
     weight_version: int
+    keys: list[str] = field(default_factory=list)  # the earlier attempt's chunk rows
 
 
 def validate_chunks(
@@ -176,6 +177,7 @@ class Resumer:
             prefix = validate_chunks(
                 rows, identity, keys, list(prompt["prompt_token_ids"]), tokens, digest
             )
+            prefix.keys = list(keys)
         except ResumeRefused as refused:
             self.metrics.restore(refused.reason)
             return None
@@ -265,3 +267,4 @@ class Resumer:
         state.max_tokens_param = original.max_tokens
         call.prompt_token_ids = np.asarray(prefix.prompt_ids, dtype=np.int32)
         call.max_tokens = original.max_tokens
+        call.superseded_keys = list(prefix.keys)  # deleted with this call's own chunks

@@ -64,6 +64,17 @@ def _batch_digest(table) -> str:
     return h.hexdigest()
 
 
+def _write_batch(path: Path, table) -> None:
+    """The exact training batch of a step (for parity checks), rows sorted by key."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = table.take(pc.sort_indices(table, [("key", "ascending")]))
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
 def _trainer_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "trainer" / f"step-{step:06d}"
 
@@ -115,6 +126,7 @@ def train(
             gen_s = time.monotonic() - t0
             tokens = sum(r.generated_tokens for r in results)
             lease = rr.take_batch(len(groups) * g.generations_per_prompt)
+            _write_batch(run_dir / "batches" / f"step-{step + 1:06d}.arrow", lease.rows)
             ids, attn, mask, old, rewards = _batch_tensors(lease.rows)
             adv = group_advantages(rewards, g.generations_per_prompt)
             loss = clipped_pg_loss(token_logprobs(model, ids, attn), old, adv, mask)

@@ -207,6 +207,11 @@ def test_a_real_cut_survives_the_caller_going_away(capture_worker):
     }
     out = _chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True, max_tokens=400)
     _same(out, ref)
+    # Once the resumed call's terminal row is staged, the old attempt's chunks are deleted.
+    ray.get(worker.actor.drain.remote())
+    _, missing = capture_worker[1].get("rollout_staging", call["staging_keys"])
+    assert missing == call["staging_keys"]
+    assert not capture_worker[1].get("rollout_terminal", [f"{rollout}/c0/a1/terminal"])[1]
 
 
 def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
