@@ -91,6 +91,10 @@ class VllmConfig(_Block):
     worker_num_cpus: float = Field(
         1.0, ge=0.0, description="Ray CPUs reserved per GenerationWorker actor."
     )
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Extra Ray resources per worker, to place workers on chosen nodes.",
+    )
     host: str = "127.0.0.1"
     startup_timeout_s: float = Field(600.0, gt=0.0)
 

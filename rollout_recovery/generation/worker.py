@@ -315,6 +315,7 @@ def worker_actor_options(cfg: RolloutRecoveryConfig) -> dict[str, Any]:
         "num_cpus": cfg.vllm_cfg.worker_num_cpus,
         "num_gpus": 1 if cfg.vllm_cfg.device == "cuda" else 0,
         "max_restarts": 0,
+        "resources": dict(cfg.vllm_cfg.worker_resources),
         "runtime_env": {"env_vars": engine_env(cfg)},
     }
 
