@@ -1,0 +1,78 @@
+"""The controller's checkpoint attempt: fences are always released, failures are bounded.
+
+Fault injection with fake worker actors and a failing store (the real path is covered by the
+functional recovery test)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from rollout_recovery.api import RolloutRecovery
+from rollout_recovery.config import load_config
+
+
+class _Method:
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.begin_fence = _Method(lambda epoch, lease: self.held.add(epoch))
+        self.end_fence = _Method(lambda epoch: self.held.discard(epoch))
+        self.cut = _Method(lambda inv: {"calls": []})
+
+
+class FailingStore:
+    async def asnapshot(self, *args, **kwargs):
+        raise OSError("disk full")
+
+
+def _rr(tmp_path, failures: int = 2) -> tuple[RolloutRecovery, list[FakeWorker]]:
+    cfg = load_config(
+        None,
+        [
+            f"checkpointing.checkpoint_dir={tmp_path}",
+            "rollout_checkpointing.snapshot_attempt_interval_s=0.01",
+            f"rollout_checkpointing.max_consecutive_failures={failures}",
+        ],
+    )
+    rr = RolloutRecovery(cfg)
+    fakes = [FakeWorker(), FakeWorker()]
+    rr.workers = [SimpleNamespace(actor=f) for f in fakes]
+    rr.store = FailingStore()
+    return rr, fakes
+
+
+def test_a_failed_checkpoint_releases_every_fence_and_publishes_nothing(tmp_path):
+    rr, fakes = _rr(tmp_path)
+    with pytest.raises(OSError, match="disk full"):
+        asyncio.run(rr.checkpoint("cadence"))
+    assert all(not f.held for f in fakes)
+    assert not (tmp_path / "checkpoints.jsonl").exists()
+    assert not (tmp_path / "data_plane").exists()
+
+
+def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
+    rr, fakes = _rr(tmp_path, failures=3)
+    calls = []
+    orig = rr.checkpoint
+
+    async def counted(reason):
+        calls.append(reason)
+        return await orig(reason)
+
+    rr.checkpoint = counted
+    with pytest.raises(OSError):
+        asyncio.run(asyncio.wait_for(rr._checkpoint_cadence(), timeout=10))
+    assert len(calls) == 3 and all(not f.held for f in fakes)
