@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -21,6 +20,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_common import write_result  # noqa: E402
 
 from rollout_recovery.environment.lineage import LineageStore  # noqa: E402
 from rollout_recovery.environment.model_client import ModelCallClient  # noqa: E402
@@ -145,9 +147,7 @@ def main() -> int:
           f"p95 {resolver['resolve_us_p95']:.1f} us; record mean "
           f"{resolver['record_us_mean']:.1f} us")  # fmt: skip
     out = {"args": vars(args), "turns": turns, "resolver": resolver}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
-    print(f"\nwrote {args.json}")
+    write_result(args.json, out)
     return 0
 
 

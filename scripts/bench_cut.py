@@ -22,8 +22,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 # Before torch or vLLM are imported (engine_setup itself imports neither).
+from bench_common import write_result  # noqa: E402
+
 from rollout_recovery.generation.engine_setup import CPU_ENGINE_ENV  # noqa: E402
 
 os.environ.update(CPU_ENGINE_ENV)
@@ -32,7 +35,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # logging only: keeps th
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
@@ -489,9 +491,7 @@ def main() -> int:
         "lock_hold": locks,
         "logprob_read": read,
     }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.json}")
+    write_result(args.json, result)
     return 0
 
 

@@ -10,7 +10,6 @@ restore time and throughput, the raw sequential write speed of the same disk in 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -24,6 +23,9 @@ import ray
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_common import write_result  # noqa: E402
 
 from rollout_recovery.data_plane import (  # noqa: E402
     CHAIN_ROOT,
@@ -267,9 +269,7 @@ def main() -> int:
             summary[f"ratio_{name.split()[0]}"] = a / b
             print(f"{name:<22}{a:>10.2f}{b:>10.2f}{a / b:>8.2f}")
     result = {"args": vars(args), "summary": summary, "store": ours, "transferqueue": tq}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"\nwrote {args.json}")
+    write_result(args.json, result)
     return 0
 
 
