@@ -112,11 +112,10 @@ class StagingStore:
         num_shards: int = 1,
         partitions: dict[str, str] | None = None,
         limits: StoreLimits = StoreLimits(),
-        name: str | None = None,
         num_cpus: float = 0,
         actor_options: dict[str, Any] | None = None,
     ) -> StagingStore:
-        """Start `num_shards` shard actors (named `<name>.shard-<i>` if name is given).
+        """Start `num_shards` shard actors.
 
         `actor_options` go to Ray as they are (e.g. a runtime_env with object-store credentials).
         """
@@ -132,16 +131,9 @@ class StagingStore:
         for i in range(num_shards):
             opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 64}
             opts |= actor_options or {}
-            if name:
-                opts |= {"name": f"{name}.shard-{i}", "lifetime": "detached"}
             shards.append(actor.options(**opts).remote(i, num_shards, partitions))
         ray.get([s.stats.remote() for s in shards])
         return cls(shards, partitions, limits)
-
-    @classmethod
-    def connect(cls, name: str, num_shards: int, partitions: dict[str, str] | None = None):
-        shards = [ray.get_actor(f"{name}.shard-{i}") for i in range(num_shards)]
-        return cls(shards, dict(partitions or DEFAULT_PARTITIONS))
 
     def shutdown(self) -> None:
         for s in self.shards:
