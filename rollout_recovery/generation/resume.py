@@ -109,6 +109,12 @@ def parse_continuation(extra: dict) -> tuple[list[str], int, str, int | None] | 
     return keys, tokens, digest, limit
 
 
+def _is_delta(params) -> bool:
+    from vllm.sampling_params import RequestOutputKind
+
+    return params.output_kind == RequestOutputKind.DELTA
+
+
 class Resumer:
     """Hooks on one AsyncLLM: a `generate` wrapper and the capture's add-request callback."""
 
@@ -117,6 +123,7 @@ class Resumer:
         self.classify = classify
         self.metrics = WorkerMetrics()
         self.pending: dict[str, tuple[Prefix, Any]] = {}  # external request id -> plan
+        self.states: dict[str, Any] = {}  # external request id -> its transplanted state
         self.tokenizer = None
 
     def install(self, engine) -> None:
@@ -141,11 +148,16 @@ class Resumer:
                 sampling_params.max_tokens = original.max_tokens - k
                 sampling_params.min_tokens = max(0, (original.min_tokens or 0) - k)
                 self.pending[request_id] = (prefix, original)
+            streamed = prefix is not None and _is_delta(sampling_params)
             try:
                 async for out in orig_generate(prompt, sampling_params, request_id, **kwargs):
+                    if streamed:
+                        streamed = False
+                        self._prepend_prefix(out, prefix, request_id)
                     yield out
             finally:
                 self.pending.pop(request_id, None)
+                self.states.pop(request_id, None)
 
         engine.generate = generate
 
@@ -248,6 +260,17 @@ class Resumer:
             finished=True,
         )
 
+    def _prepend_prefix(self, out, prefix: Prefix, request_id: str) -> None:
+        """A streamed resume: the caller never saw the prefix (its connection died with the
+        crash), so the first delta carries the prefix's ids and logprobs before the tail's.
+        Its text already does: the transplanted detokenizer has not emitted the prefix yet."""
+        comp = out.outputs[0]
+        n_new = len(comp.token_ids)
+        comp.token_ids = [*prefix.ids.tolist(), *comp.token_ids]
+        state = self.states.get(request_id)
+        if comp.logprobs is not None and state is not None:
+            comp.logprobs = state.logprobs_processor.logprobs[: len(prefix.ids) + n_new]
+
     def _transplant(self, call, request) -> None:
         """Runs under the capture lock right after vLLM created the request's state."""
         plan = self.pending.get(request.external_req_id)
@@ -262,6 +285,7 @@ class Resumer:
             state.logprobs_processor.logprobs = lp.logprobs
             state.logprobs_processor.cumulative_logprob = lp.cumulative_logprob
         state.detokenizer = detok
+        self.states[request.external_req_id] = state
         state.prompt_token_ids = prefix.prompt_ids
         state.prompt_len = len(prefix.prompt_ids)
         state.max_tokens_param = original.max_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 
 import httpx
 import numpy as np
@@ -247,3 +248,39 @@ def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
         after = _metrics(worker)
         assert after.get(f"resume.{reason}", 0) == before.get(f"resume.{reason}", 0) + 1, reason
     assert ray.get(worker.actor.health.remote()).healthy
+
+
+def test_a_streamed_resume_delivers_the_whole_completion(capture_worker):
+    """The caller of a resumed call never saw the prefix: the stream must carry all of it."""
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"stream-ref-{next(_ids)}", content=PROMPTS["symbols"], ignore_eos=True)
+    rollout = f"stream-res-{next(_ids)}"
+    k = 9
+    cont = _stage(store, rollout, ref, k, split=4)
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": PROMPTS["symbols"]}],
+        "max_tokens": 48,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "return_token_ids": True,
+        "stream": True,
+        "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": 1} | cont,
+    }
+    ids, text, lps = [], "", []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            for choice in chunk.get("choices", []):
+                ids += choice.get("token_ids") or []
+                text += (choice.get("delta") or {}).get("content") or ""
+                lps += [c["logprob"] for c in (choice.get("logprobs") or {}).get("content", [])]
+    choice = ref["choices"][0]
+    assert ids == choice["token_ids"]
+    assert text == choice["message"]["content"]
+    assert lps == [c["logprob"] for c in choice["logprobs"]["content"]]
