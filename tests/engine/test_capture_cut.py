@@ -79,7 +79,7 @@ def test_cuts_stage_exactly_the_generated_prefix(capture_worker):
         assert staged[0]["cut_kind"] == "active_prefix"
         assert staged[-1]["effective_output_limit"] == 300 + 10 * i
     # Once finished, each call's chunks were replaced by its terminal row.
-    assert store.list("rollout_staging") == []
+    assert store.list("rollout_staging", "cut-") == []
     keys = [f"{r}/c0/a0/terminal" for r in rollouts]
     table, missing = store.get("rollout_terminal", keys)
     assert not missing
