@@ -68,7 +68,7 @@ def recoverable(snapshot_uri: str, limit: int) -> tuple[int, dict]:
     from rollout_recovery.data_plane import StagingStore
 
     ledger = json.loads(StagingStore.read_sidecar(snapshot_uri, "ledger.json"))
-    n = sum(1 for c in ledger["continuations"].values() if 0 < c["tokens"] < limit)
+    n = sum(1 for c in ledger["continuations"].values() if 0 < c.get("tokens", 0) < limit)
     return n, ledger
 
 
@@ -235,11 +235,13 @@ def main() -> int:
     restored = sum(r[4] for r in rows)
     saved = sum(r[5] for r in rows)
     kill_ledger = killed["ledger"]  # read before phase 2 could garbage-collect the snapshot
-    old_keys = {k for c in kill_ledger["continuations"].values() for k in c["keys"]}
+    old_keys = {k for c in kill_ledger["continuations"].values() for k in c.get("keys", [])}
     lingering = old_keys & final_staging_keys(rec_dir)
     if lingering:
         violations.append(f"{len(lingering)} superseded chunk keys remain in the last snapshot")
-    cut = [c for c in kill_ledger["continuations"].values() if 0 < c["tokens"] < args.max_tokens]
+    cut = [
+        c for c in kill_ledger["continuations"].values() if 0 < c.get("tokens", 0) < args.max_tokens
+    ]
     none_level = len(cut) * args.max_tokens  # level none regenerates each call from scratch
     regenerated = sum(args.max_tokens - c["tokens"] for c in cut)
     if args.level == "prefix" and restored < args.cuts:

@@ -67,6 +67,8 @@ class RolloutRecovery:
         self.checkpoint_log = Path(cfg.checkpointing.checkpoint_dir) / "checkpoints.jsonl"
         self.restored_calls = 0
         self.restored_prefix_tokens = 0
+        self.restored_tail_tokens = 0  # decoded after a prefix resume
+        self.regenerated_tokens = 0  # decoded again from scratch after a restore
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -130,6 +132,10 @@ class RolloutRecovery:
             self._inflight.pop(rollout_id, None)
         e = res.entry
         prompt, gen = e.prompt_token_ids, e.generated_token_ids
+        if resume and resume.get("keys"):
+            self.restored_tail_tokens += len(gen) - resume["tokens"]
+        elif resume:
+            self.regenerated_tokens += len(gen)
         reward = float(reward_fn(res.assistant_message.get("content") or ""))
         row = ReplayRow(
             key=f"{group_id}/{gen_index:03d}",
@@ -254,7 +260,8 @@ class RolloutRecovery:
                             "attempt": c["attempt"], "keys": c["staging_keys"],
                             "tokens": c["prefix_token_count"], "digest": c["prefix_digest"],
                         }  # fmt: skip
-                    else:
+                    else:  # regenerated after a restore, as the next attempt
+                        continuations[c["rollout_id"]] = {"attempt": c["attempt"]}
                         why = c["reason"] or c["cut_kind"]
                         reasons[why] = reasons.get(why, 0) + 1
             ledger = {"format": 1, "step": self.step, "weight_version": self.weight_version,
@@ -274,7 +281,8 @@ class RolloutRecovery:
         metrics = {
             "checkpoint": snap.uri, "reason": reason, "step": self.step,
             "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,
-            "calls_cut": len(continuations), "calls_not_cut": reasons,
+            "calls_cut": sum(1 for c in continuations.values() if "keys" in c),
+            "calls_not_cut": reasons,
         }  # fmt: skip
         with open(self.checkpoint_log, "a") as fh:
             fh.write(json.dumps(metrics) + "\n")

@@ -113,6 +113,7 @@ def train(
         for step in bar:
             rr.step = step
             calls0, tokens0 = rr.restored_calls, rr.restored_prefix_tokens
+            tail0, regen0 = rr.restored_tail_tokens, rr.regenerated_tokens
             t0 = time.monotonic()
             prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
             groups = [(f"s{step:04d}-p{i:03d}", msgs) for i, msgs in enumerate(prompts)]
@@ -157,6 +158,8 @@ def train(
                 "batch_digest": _batch_digest(lease.rows),
                 "restored_calls": rr.restored_calls - calls0,
                 "restored_prefix_tokens": rr.restored_prefix_tokens - tokens0,
+                "tail_tokens": rr.restored_tail_tokens - tail0,
+                "regenerated_tokens": rr.regenerated_tokens - regen0,
             }
             history.append(record)
             with open(log_path, "a") as fh:
