@@ -97,7 +97,13 @@ def train(
         start, resume = 0, {}
         if restore:
             ledger = rr.restore(cfg.rollout_checkpointing.restore_mode)
-            if ledger is not None:
+            if ledger is None:
+                print(
+                    f"No published snapshot under {rr.snapshot_root}: starting from step 0 "
+                    "(checkpointing.save_data_plane=true makes runs restorable)",
+                    flush=True,
+                )
+            else:
                 start, resume = ledger["step"], ledger["continuations"]
                 if start > 0:
                     ckpt = _trainer_dir(run_dir, start)
