@@ -8,6 +8,7 @@ trainer checkpoint (a data-plane snapshot follows it). The shipped GRPO driver u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -31,6 +32,7 @@ from rollout_recovery.data_plane import (
 from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.environment.lineage import LineageStore
 from rollout_recovery.environment.model_client import ModelCallClient
+from rollout_recovery.environment.participant import CheckpointParticipant, ProtocolError
 from rollout_recovery.environment.token_sink import StoreTokenSink
 from rollout_recovery.generation import WorkerHandle, start_workers, stop_workers
 from rollout_recovery.runtime import init_ray
@@ -65,6 +67,7 @@ class RolloutRecovery:
         self._epoch = itertools.count(1)
         self.snapshot_root = str(Path(cfg.checkpointing.checkpoint_dir) / "data_plane")
         self.checkpoint_log = Path(cfg.checkpointing.checkpoint_dir) / "checkpoints.jsonl"
+        self.participant = CheckpointParticipant()
         self.restored_calls = 0
         self.restored_prefix_tokens = 0
         self.restored_tail_tokens = 0  # decoded after a prefix resume
@@ -116,6 +119,7 @@ class RolloutRecovery:
             }
             self.restored_calls += 1
             self.restored_prefix_tokens += resume["tokens"]
+        await self.participant.admitted()  # parked while a checkpoint is being taken
         self._inflight[rollout_id] = (worker, attempt, g.max_new_tokens)
         try:
             res = await client.call(
@@ -239,7 +243,9 @@ class RolloutRecovery:
         t0 = time.monotonic()
         epoch = next(self._epoch)
         lease_s = self.cfg.token_capture.control_timeout_s * 3
+        ckpt_id = f"ckpt-{self.step}-{epoch}"
         await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in self.workers))
+        self.participant.prepare(ckpt_id, lease_s)
         try:
             inflight = dict(self._inflight)
             per_worker: dict[int, list[dict]] = {}
@@ -247,7 +253,6 @@ class RolloutRecovery:
                 per_worker.setdefault(worker, []).append(
                     {"rollout_id": rid, "model_call_id": "c0", "attempt": attempt}
                 )
-            ckpt_id = f"ckpt-{self.step}-{epoch}"
             receipts = await asyncio.gather(*(
                 self.workers[w].actor.cut.remote({"checkpoint_id": ckpt_id, "calls": calls})
                 for w, calls in per_worker.items()
@@ -264,6 +269,7 @@ class RolloutRecovery:
                         continuations[c["rollout_id"]] = {"attempt": c["attempt"]}
                         why = c["reason"] or c["cut_kind"]
                         reasons[why] = reasons.get(why, 0) + 1
+            self.participant.prepared(ckpt_id)
             ledger = {"format": 1, "step": self.step, "weight_version": self.weight_version,
                       "continuations": continuations, "reason": reason,
                       "level": self.cfg.rollout_recovery.target_level}  # fmt: skip
@@ -274,8 +280,11 @@ class RolloutRecovery:
                 sidecars={LEDGER: json.dumps(ledger, sort_keys=True).encode()},
             )
             snapshot_s = time.monotonic() - s0
+            self.participant.commit(ckpt_id)
         finally:
             fence_s = time.monotonic() - t0
+            with contextlib.suppress(ProtocolError):  # a lapsed lease already reopened it
+                self.participant.resume(ckpt_id)
             await asyncio.gather(*(w.actor.end_fence.remote(epoch) for w in self.workers))
         StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
         metrics = {
@@ -291,12 +300,16 @@ class RolloutRecovery:
     def restore(self, mode: str | None = None) -> dict | None:
         """Restore the store from the snapshot `restore_snapshot` selects; returns its ledger,
         or None when there is nothing to restore."""
-        picked = restore_snapshot(
-            self.store,
-            self.snapshot_root,
-            mode or self.cfg.rollout_checkpointing.restore_mode,
-            self.cfg.rollout_recovery.target_level,
-        )
+        self.participant.restore(self.snapshot_root)  # refused once calls were served
+        try:
+            picked = restore_snapshot(
+                self.store,
+                self.snapshot_root,
+                mode or self.cfg.rollout_checkpointing.restore_mode,
+                self.cfg.rollout_recovery.target_level,
+            )
+        finally:
+            self.participant.restored(self.snapshot_root)
         if picked is None:
             return None
         self.step = picked[1]["step"]

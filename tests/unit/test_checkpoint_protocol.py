@@ -59,6 +59,7 @@ def test_a_failed_checkpoint_releases_every_fence_and_publishes_nothing(tmp_path
     with pytest.raises(OSError, match="disk full"):
         asyncio.run(rr.checkpoint("cadence"))
     assert all(not f.held for f in fakes)
+    assert rr.participant.state == "idle"  # admission reopened after the failed attempt
     assert not (tmp_path / "checkpoints.jsonl").exists()
     assert not (tmp_path / "data_plane").exists()
 
