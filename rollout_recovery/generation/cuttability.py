@@ -40,7 +40,9 @@ def uncuttable_reason(params, sampler_enabled: bool) -> str | None:
     """The reason a call with these SamplingParams must not be cut, or None."""
     if params.presence_penalty:
         return "presence_penalty"
-    if params.frequency_penalty:
+    if params.frequency_penalty and params.repetition_penalty != 1.0:
+        # Emulated on resume as a logit bias, which is only exact when no multiplicative
+        # repetition penalty is applied after it.
         return "frequency_penalty"
     bad = getattr(params, "_bad_words_token_ids", None) or []
     if any(len(ids) > 1 for ids in bad):

@@ -109,6 +109,21 @@ def parse_continuation(extra: dict) -> tuple[list[str], int, str, int | None] | 
     return keys, tokens, digest, limit
 
 
+MAX_LOGIT_BIAS = 100.0  # vLLM clamps biases to this
+
+
+def _emulate_frequency_penalty(params, prefix_ids: np.ndarray) -> None:
+    """The penalty counts output tokens, and the prefix is now prompt: subtract
+    `penalty x count` for the prefix's tokens as a logit bias (additive, like the penalty)."""
+    ids, counts = np.unique(prefix_ids, return_counts=True)
+    bias = dict(params.logit_bias or {})
+    for tok, n in zip(ids.tolist(), counts.tolist(), strict=True):
+        bias[tok] = bias.get(tok, 0.0) - params.frequency_penalty * n
+    if any(abs(b) > MAX_LOGIT_BIAS for b in bias.values()):
+        raise ResumeRefused("frequency_penalty", "the emulating logit bias would be clamped")
+    params.logit_bias = bias
+
+
 def _is_delta(params) -> bool:
     from vllm.sampling_params import RequestOutputKind
 
@@ -143,6 +158,8 @@ class Resumer:
                 if done is not None:
                     yield self._complete_output(request_id, prefix, original, *done)
                     return
+                if sampling_params.frequency_penalty:
+                    _emulate_frequency_penalty(sampling_params, prefix.ids)
                 prompt = dict(prompt, prompt_token_ids=[*prefix.prompt_ids, *prefix.ids.tolist()])
                 prompt.pop("prompt", None)
                 sampling_params.max_tokens = original.max_tokens - k

@@ -152,7 +152,7 @@ def test_uncuttable_calls_have_named_reasons(capture_worker):
     url, actor = worker.info.url, worker.actor
     cases = {
         "pp": {"presence_penalty": 0.5},
-        "fp": {"frequency_penalty": 0.5},
+        "fp": {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
         "seed": {"seed": 7, "temperature": 1.0},
         "json": {"response_format": {"type": "json_object"}},
         "bw": {"bad_words": ["result answered"]},

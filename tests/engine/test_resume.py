@@ -156,6 +156,19 @@ def test_resume_honours_min_tokens_and_a_finished_prefix(capture_worker):
     assert _metrics(worker)["resume.finished_without_decoding"] == before + 1
 
 
+def test_frequency_penalty_is_emulated_exactly(capture_worker):
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"fp-ref-{next(_ids)}", ignore_eos=True, frequency_penalty=0.7)
+    plain = _chat(url, f"fp-plain-{next(_ids)}", ignore_eos=True)
+    assert ref["choices"][0]["token_ids"] != plain["choices"][0]["token_ids"]  # it matters
+    for k in (5, 20):
+        rollout = f"fp-res-{k}-{next(_ids)}"
+        cont = _stage(store, rollout, ref, k)
+        out = _chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True, frequency_penalty=0.7)
+        _same(out, ref)
+
+
 def test_seeded_temperature_one_sampling_resumes_exactly(capture_worker):
     worker, store = capture_worker
     url = worker.info.url
