@@ -239,11 +239,12 @@ def main() -> int:
     lingering = old_keys & final_staging_keys(rec_dir)
     if lingering:
         violations.append(f"{len(lingering)} superseded chunk keys remain in the last snapshot")
-    cut = [
-        c for c in kill_ledger["continuations"].values() if 0 < c.get("tokens", 0) < args.max_tokens
-    ]
-    none_level = len(cut) * args.max_tokens  # level none regenerates each call from scratch
-    regenerated = sum(args.max_tokens - c["tokens"] for c in cut)
+    # The calls in flight at the crash: level none decodes all their tokens again; prefix
+    # recovery decodes only the tails (and calls that were not cut from scratch).
+    tails = sum(rec[s].get("tail_tokens", 0) for s in rec)
+    scratch = sum(rec[s].get("regenerated_tokens", 0) for s in rec)
+    regenerated = tails + scratch
+    none_level = saved + tails + scratch
     if args.level == "prefix" and restored < args.cuts:
         violations.append(f"only {restored} calls were resumed from a prefix (< {args.cuts})")
     if not selected:
@@ -275,8 +276,8 @@ def main() -> int:
         "restored_calls": restored,
         "prefix_tokens_saved": saved,
         "superseded_chunk_keys_left": len(lingering),
-        "cut_calls_tokens_level_none": none_level,
-        "cut_calls_tokens_regenerated": regenerated,
+        "interrupted_calls_tokens_level_none": none_level,
+        "interrupted_calls_tokens_decoded": regenerated,
         "violations": violations,
     }
     (args.out / "parity.json").write_text(json.dumps(report, indent=2))
@@ -294,8 +295,8 @@ def main() -> int:
             f"Spearman {d['logprobs_spearman']:.6f}"
         )
     print(f"recovery savings: {restored} in-flight calls resumed from {saved} staged tokens; "
-          f"the cut calls cost {regenerated} regenerated tokens instead of {none_level} at level "
-          f"none ({1 - regenerated / max(none_level, 1):.0%} saved)")  # fmt: skip
+          f"the interrupted calls cost {regenerated} decoded tokens instead of {none_level} at "
+          f"level none ({1 - regenerated / max(none_level, 1):.0%} saved)")  # fmt: skip
     if violations:
         print("FAIL:\n  " + "\n  ".join(violations))
         return 1

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,8 +61,11 @@ class RolloutRecovery:
         self.weight_version = 0
         self.model_dir = resolve_model_path(cfg.policy.model_path)
         self._rr = itertools.count()
-        # One private loop for every async call: HTTP connection pools belong to a loop.
+        # One private loop, on its own thread, for every async call: HTTP connection pools
+        # belong to a loop, and the caller's thread may already run one (a Ray actor does).
         self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
         self.step = 0  # the trainer step whose rollouts are being generated
         self._inflight: dict[str, tuple[int, int, int]] = {}  # rollout -> (worker, attempt, limit)
         self._epoch = itertools.count(1)
@@ -72,6 +76,9 @@ class RolloutRecovery:
         self.restored_prefix_tokens = 0
         self.restored_tail_tokens = 0  # decoded after a prefix resume
         self.regenerated_tokens = 0  # decoded again from scratch after a restore
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -91,8 +98,9 @@ class RolloutRecovery:
             for c in self.clients:
                 await c.aclose()
 
-        self._loop.run_until_complete(close_clients())
-        self._loop.close()
+        self._run(close_clients())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
         if self.workers:
             stop_workers(self.workers)
         if self.store is not None:
@@ -198,7 +206,7 @@ class RolloutRecovery:
                     cadence.cancel()
                     await asyncio.gather(cadence, return_exceptions=True)
 
-        out = self._loop.run_until_complete(run())
+        out = self._run(run())
         results = []
         for gi, (gid, _) in enumerate(groups):
             part = out[gi * n : (gi + 1) * n]
@@ -214,8 +222,22 @@ class RolloutRecovery:
     def ack(self, lease: LeaseResult) -> int:
         return self.store.ack(lease.lease_id)
 
-    def push_weights(self, weights_dir: str | Path) -> int:
-        self.weight_version += 1
+    def set_step(self, step: int) -> None:
+        """The trainer step whose rollouts are generated next (recorded in ledgers)."""
+        self.step = step
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "restored_calls": self.restored_calls,
+            "restored_prefix_tokens": self.restored_prefix_tokens,
+            "tail_tokens": self.restored_tail_tokens,
+            "regenerated_tokens": self.regenerated_tokens,
+        }
+
+    def push_weights(self, weights_dir: str | Path, version: int | None = None) -> int:
+        """Load new weights into every worker as the next weight version (or `version`, when
+        a restore re-establishes a checkpoint's weights)."""
+        self.weight_version = self.weight_version + 1 if version is None else version
         ray.get([w.actor.push_weights.remote(str(weights_dir), self.weight_version)
                  for w in self.workers])  # fmt: skip
         return self.weight_version
@@ -312,8 +334,9 @@ class RolloutRecovery:
             self.participant.restored(self.snapshot_root)
         if picked is None:
             return None
-        self.step = picked[1]["step"]
-        return picked[1]
+        uri, ledger = picked
+        self.step = ledger["step"]
+        return ledger | {"snapshot": uri}
 
     def notify_trainer_checkpoint(self, step: int) -> dict:
         """After a trainer checkpoint: snapshot the data plane (so a restore never pairs
@@ -321,7 +344,7 @@ class RolloutRecovery:
         if not self.cfg.checkpointing.save_data_plane:
             return {"snapshot_s": 0.0}
         self.step = step
-        metrics = self._loop.run_until_complete(self.checkpoint("trainer_checkpoint"))
+        metrics = self._run(self.checkpoint("trainer_checkpoint"))
         return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}
 
 
@@ -356,6 +379,26 @@ def restore_snapshot(store: StagingStore, root: str, mode: str, level: str):
         except SnapshotError as err:
             print(f"Snapshot {uri} is unusable ({err}); falling back to the previous one")
             continue
-        print(f"Selected rollout recovery snapshot: {uri}", flush=True)
         return uri, ledger
     return None
+
+
+class SingleController:
+    """The RolloutRecovery controller as a Ray actor (it owns the store and the workers, so
+    they share its fate), used through the same calls as the in-process object."""
+
+    def __init__(self, cfg: RolloutRecoveryConfig, ray_address: str = "local") -> None:
+        init_ray(ray_address, log_to_driver=False)
+        actor_cls = ray.remote(RolloutRecovery).options(num_cpus=0, max_concurrency=1)
+        self.actor = actor_cls.remote(cfg, ray_address)
+        ray.get(self.actor.__ray_call__.remote(lambda rr: rr.start() and None))
+
+    def __getattr__(self, name: str):
+        method = getattr(self.actor, name)
+        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+    def close(self) -> None:
+        try:
+            ray.get(self.actor.close.remote())
+        finally:
+            ray.kill(self.actor)

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from rollout_recovery.api import RolloutRecovery
+from rollout_recovery.api import SingleController
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.data_plane.schemas import list_rows
+from rollout_recovery.tiny_model import resolve_model_path
 from rollout_recovery.training.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
@@ -89,21 +90,22 @@ def train(
     run_dir = Path(cfg.checkpointing.checkpoint_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / "steps.jsonl"
-    rr = RolloutRecovery(cfg, ray_address).start()
+    rr = SingleController(cfg, ray_address)
     history = []
     try:
-        model = load_policy(rr.model_dir)
+        model = load_policy(resolve_model_path(cfg.policy.model_path))
         opt = torch.optim.AdamW(model.parameters(), lr=g.learning_rate)
         start, resume = 0, {}
         if restore:
             ledger = rr.restore(cfg.rollout_checkpointing.restore_mode)
             if ledger is None:
                 print(
-                    f"No published snapshot under {rr.snapshot_root}: starting from step 0 "
+                    f"No published snapshot under {run_dir / 'data_plane'}: starting from step 0 "
                     "(checkpointing.save_data_plane=true makes runs restorable)",
                     flush=True,
                 )
             else:
+                print(f"Selected rollout recovery snapshot: {ledger['snapshot']}", flush=True)
                 start, resume = ledger["step"], ledger["continuations"]
                 if start > 0:
                     ckpt = _trainer_dir(run_dir, start)
@@ -113,13 +115,13 @@ def train(
                             "restore needs the trainer checkpoint the snapshot followed"
                         )
                     load_trainer_checkpoint(ckpt, model, opt)
-                    rr.weight_version = ledger["weight_version"] - 1
-                    rr.push_weights(export_weights(model, run_dir / "weights"))
+                    rr.push_weights(
+                        str(export_weights(model, run_dir / "weights")), ledger["weight_version"]
+                    )
         bar = tqdm(range(start, g.steps), desc="grpo", unit="step", initial=start, total=g.steps)
         for step in bar:
-            rr.step = step
-            calls0, tokens0 = rr.restored_calls, rr.restored_prefix_tokens
-            tail0, regen0 = rr.restored_tail_tokens, rr.regenerated_tokens
+            rr.set_step(step)
+            before = rr.counters()
             t0 = time.monotonic()
             prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
             groups = [(f"s{step:04d}-p{i:03d}", msgs) for i, msgs in enumerate(prompts)]
@@ -141,7 +143,7 @@ def train(
             loss.backward()
             opt.step()
             rr.ack(lease)
-            version = rr.push_weights(export_weights(model, run_dir / "weights"))
+            version = rr.push_weights(str(export_weights(model, run_dir / "weights")))
             c0 = time.monotonic()
             save_trainer_checkpoint(
                 _trainer_dir(run_dir, step + 1), model, opt,
@@ -162,10 +164,7 @@ def train(
                 "checkpoint_s": ckpt_s,
                 "snapshot_s": snap["snapshot_s"],
                 "batch_digest": _batch_digest(lease.rows),
-                "restored_calls": rr.restored_calls - calls0,
-                "restored_prefix_tokens": rr.restored_prefix_tokens - tokens0,
-                "tail_tokens": rr.restored_tail_tokens - tail0,
-                "regenerated_tokens": rr.regenerated_tokens - regen0,
+                **{k: v - before[k] for k, v in rr.counters().items()},
             }
             history.append(record)
             with open(log_path, "a") as fh:
