@@ -25,8 +25,8 @@ PROMPTS = {
 }
 
 
-def _chat(url: str, rollout: str, attempt: int = 0, xargs: dict | None = None, **kw) -> dict:
-    body = {
+def _body(rollout: str, attempt: int = 0, xargs: dict | None = None, **kw) -> dict:
+    return {
         "model": "policy",
         "messages": [{"role": "user", "content": kw.pop("content", PROMPTS["ascii"])}],
         "max_tokens": kw.pop("max_tokens", 48),
@@ -37,6 +37,10 @@ def _chat(url: str, rollout: str, attempt: int = 0, xargs: dict | None = None, *
         | (xargs or {}),
         **kw,
     }
+
+
+def _chat(url: str, rollout: str, attempt: int = 0, xargs: dict | None = None, **kw) -> dict:
+    body = _body(rollout, attempt, xargs, **kw)
     resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -271,17 +275,7 @@ def test_a_streamed_resume_delivers_the_whole_completion(capture_worker):
     rollout = f"stream-res-{next(_ids)}"
     k = 9
     cont = _stage(store, rollout, ref, k, split=4)
-    body = {
-        "model": "policy",
-        "messages": [{"role": "user", "content": PROMPTS["symbols"]}],
-        "max_tokens": 48,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": True,
-        "return_token_ids": True,
-        "stream": True,
-        "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": 1} | cont,
-    }
+    body = _body(rollout, 1, cont, content=PROMPTS["symbols"], ignore_eos=True, stream=True)
     ids, text, lps = [], "", []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
         assert resp.status_code == 200
