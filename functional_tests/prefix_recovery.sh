@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefix-level recovery, end to end: reference run, SIGKILL mid-generation, restore, parity.
-# Usage: functional_tests/prefix_recovery.sh --out DIR [--cuts N] [extra config overrides...]
+# Usage: functional_tests/prefix_recovery.sh --out DIR [--cuts N] [--model M] [--gpu] [overrides...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,15 +1,18 @@
 """Kill a GRPO run with SIGKILL mid-generation, restore it, and compare with a reference run.
 
-    .venv/bin/python functional_tests/recovery_check.py --out DIR [--level prefix] [--cuts 4]
+    .venv/bin/python functional_tests/recovery_check.py --out DIR [--level prefix|turn]
+        [--cuts 4] [--model DIR|hf://org/name] [--gpu] [config overrides...]
 
 1. reference: `rollout-recovery train` start to finish;
 2. phase 1: the same run in its own process group, polled until a published snapshot holds at
-   least --cuts recoverable cuts (0 < prefix < limit) after the first trainer step; then
-   SIGKILL of the whole group and a check that none of its processes (Ray, engines) is left;
+   least --cuts recoverable cuts (prefix level: 0 < prefix < limit) or partly done episodes
+   (turn level: 0 < committed turns < max_turns) after the first trainer step; then SIGKILL
+   of the whole group and a check that none of its processes (Ray, engines) is left;
 3. phase 2: `rollout-recovery train --restore` finishes the run;
-4. parity: per step the same training batch (keys, token ids, rewards), loss and reward;
-   restored calls and the tokens recovery saved. Writes DIR/parity.json, prints a table, and
-   exits non-zero on any violation.
+4. parity: per step the same training batch (keys, token ids, loss masks, rewards, lengths),
+   loss and reward, generation logprob agreement, the episodes' final tool states (each
+   effect once), no superseded chunk keys left, and the tokens recovery saved against level
+   none. Writes DIR/parity.json, prints a table, and exits non-zero on any violation.
 """
 
 from __future__ import annotations
@@ -37,12 +40,23 @@ def overrides(args, run_dir: Path) -> list[str]:
         f"policy.generation.max_new_tokens={args.max_tokens}",
         f"rollout_checkpointing.snapshot_attempt_interval_s={args.interval}",
         "rollout_checkpointing.keep_latest_k=4",
+        *device_overrides(args),
         *args.extra,
     ]
 
 
 def config(args) -> str:
     return str(REPO / "configs" / f"{args.level}_recovery.yaml")
+
+
+def device_overrides(args) -> list[str]:
+    """--model: another checkpoint (a directory or hf://org/name); --gpu: the engine on CUDA,
+    still float32 and eager so the recovered run can match the reference token for token."""
+    out = [f"policy.model_path={args.model}"] if args.model else []
+    if args.gpu:
+        out += ["vllm_cfg.device=cuda", "vllm_cfg.kv_cache_memory_bytes=null",
+                "vllm_cfg.gpu_memory_utilization=0.5"]  # fmt: skip
+    return out
 
 
 def run(cmd: list[str], log: Path) -> None:
@@ -64,11 +78,17 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
-def recoverable(snapshot_uri: str, limit: int) -> tuple[int, dict]:
+def recoverable(args, snapshot_uri: str) -> tuple[int, dict]:
+    """Prefix level: cut calls with 0 < prefix < limit; turn level: unfinished episodes with
+    at least one committed turn."""
     from rollout_recovery.data_plane import StagingStore
 
     ledger = json.loads(StagingStore.read_sidecar(snapshot_uri, "ledger.json"))
-    n = sum(1 for c in ledger["continuations"].values() if 0 < c.get("tokens", 0) < limit)
+    if args.level == "turn":
+        n = sum(1 for e in ledger.get("episodes", []) if 0 < len(e["turns"]) < args.max_turns)
+    else:
+        limit = args.max_tokens
+        n = sum(1 for c in ledger["continuations"].values() if 0 < c.get("tokens", 0) < limit)
     return n, ledger
 
 
@@ -86,14 +106,14 @@ def phase1(args, run_dir: Path) -> dict:
     tree: set[int] = set()
     while chosen is None:
         if proc.poll() is not None:
-            sys.exit(f"FAIL: phase 1 finished before {args.cuts} recoverable cuts were published")
+            sys.exit(f"FAIL: phase 1 finished before {args.cuts} recoverable items were published")
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             sys.exit("FAIL: no snapshot with enough recoverable cuts in time")
         tree |= descendants(proc.pid)
         for uri in reversed(published_uris(root) if Path(root).exists() else []):
             try:
-                n, ledger = recoverable(uri, args.max_tokens)
+                n, ledger = recoverable(args, uri)
             except Exception:
                 continue
             if n >= args.cuts and ledger["step"] >= 1:
@@ -182,19 +202,60 @@ def final_staging_keys(run_dir: Path) -> set[str]:
     return keys
 
 
+def compare_states(ref_dir: Path, rec_dir: Path, step: int, max_turns: int) -> list[str]:
+    """Every episode's final tool state equals the reference's, with each turn's effect
+    applied once. Episodes that had finished before the crash report no state (their tokens,
+    which show every tool result, are compared with the batch)."""
+    name = f"step-{step:06d}.states.json"
+    ref = json.loads((ref_dir / "batches" / name).read_text())
+    rec = json.loads((rec_dir / "batches" / name).read_text())
+    out = []
+    for key, state in rec.items():
+        if state is None:
+            continue
+        if state != ref.get(key):
+            out.append(f"step {step}: {key} ended with tool state {state}, not {ref.get(key)}")
+        elif state["effects"] != list(range(max_turns - 1)):
+            out.append(f"step {step}: {key} tool effects {state['effects']} (each turn once)")
+    return out
+
+
+COLUMNS = (
+    "step",
+    "same_batch",
+    "loss_abs_diff",
+    "same_reward",
+    "restored_episodes",
+    "restored_calls",
+    "restored_turn_tokens",
+    "restored_prefix_tokens",
+    "generated_tokens",
+)
+
+
 def main() -> int:
+    from rollout_recovery.config import load_config
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--level", choices=["prefix", "turn"], default="prefix")
-    ap.add_argument("--cuts", type=int, default=4, help="recoverable cuts before the kill")
+    ap.add_argument(
+        "--cuts", type=int, default=4,
+        help="recoverable cuts (prefix) or partly done episodes (turn) before the kill",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--max-tokens", type=int, default=None, help="per call (default: by level)")
     ap.add_argument("--interval", type=float, default=0.4)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--model", help="policy.model_path for every run (a dir or hf://org/name)")
+    ap.add_argument("--gpu", action="store_true", help="run the engines on CUDA")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
+    if args.max_tokens is None:
+        args.max_tokens = 384 if args.level == "prefix" else 96
     args.out.mkdir(parents=True, exist_ok=True)
     ref_dir, rec_dir = args.out / "reference", args.out / "recovered"
+    args.max_turns = load_config(config(args), overrides(args, ref_dir)).environment.max_turns
     for d in (ref_dir, rec_dir):
         subprocess.run(["rm", "-rf", str(d)], check=True)
 
@@ -224,29 +285,31 @@ def main() -> int:
         details[step] = detail
         loss_diff = abs(a["loss"] - b["loss"])
         same_reward = a["mean_reward"] == b["mean_reward"]
-        rows.append((step, same_batch, loss_diff, same_reward, b["restored_calls"],
-                     b["restored_prefix_tokens"], b["generated_tokens"]))  # fmt: skip
+        rows.append((step, same_batch, loss_diff, same_reward, *(b.get(c, 0) for c in COLUMNS[4:])))
         if not same_batch:
             violations.append(f"step {step}: training batch differs (token ids, keys or rewards)")
         if not same_reward:
             violations.append(f"step {step}: mean reward {b['mean_reward']} != {a['mean_reward']}")
         if loss_diff > args_loss_tol():
             violations.append(f"step {step}: loss differs by {loss_diff:.3g}")
-    restored = sum(r[4] for r in rows)
-    saved = sum(r[5] for r in rows)
+        violations += compare_states(ref_dir, rec_dir, step, args.max_turns)
+    total = {c: sum(rec[s].get(c, 0) for s in rec) for c in
+             ("restored_episodes", "restored_calls", "restored_prefix_tokens",
+              "restored_turn_tokens", "tail_tokens", "regenerated_tokens")}  # fmt: skip
     kill_ledger = killed["ledger"]  # read before phase 2 could garbage-collect the snapshot
     old_keys = {k for c in kill_ledger["continuations"].values() for k in c.get("keys", [])}
     lingering = old_keys & final_staging_keys(rec_dir)
     if lingering:
         violations.append(f"{len(lingering)} superseded chunk keys remain in the last snapshot")
-    # The calls in flight at the crash: level none decodes all their tokens again; prefix
-    # recovery decodes only the tails (and calls that were not cut from scratch).
-    tails = sum(rec[s].get("tail_tokens", 0) for s in rec)
-    scratch = sum(rec[s].get("regenerated_tokens", 0) for s in rec)
-    regenerated = tails + scratch
-    none_level = saved + tails + scratch
-    if args.level == "prefix" and restored < args.cuts:
-        violations.append(f"only {restored} calls were resumed from a prefix (< {args.cuts})")
+    # The work in flight at the crash: level none decodes all of it again; recovery decodes
+    # only the tails of cut calls and the calls (turns) that were not saved.
+    kept = total["restored_prefix_tokens"] + total["restored_turn_tokens"]
+    decoded = total["tail_tokens"] + total["regenerated_tokens"]
+    none_level = kept + decoded
+    restored = total["restored_calls" if args.level == "prefix" else "restored_episodes"]
+    if restored < args.cuts:
+        what = "calls were resumed from a prefix" if args.level == "prefix" else "episodes resumed"
+        violations.append(f"only {restored} {what} (< {args.cuts})")
     if not selected:
         violations.append("phase 2 did not log the selected snapshot")
     report = {
@@ -254,49 +317,37 @@ def main() -> int:
         "reference_s": t_ref,
         "kill": killed,
         "selected": selected[-1] if selected else None,
-        "steps": [
-            dict(
-                zip(
-                    [
-                        "step",
-                        "same_batch",
-                        "loss_abs_diff",
-                        "same_reward",
-                        "restored_calls",
-                        "restored_prefix_tokens",
-                        "generated_tokens",
-                    ],
-                    r,
-                    strict=True,
-                )
-            )
-            for r in rows
-        ],
+        "steps": [dict(zip(COLUMNS, r, strict=True)) for r in rows],
         "batches": details,
-        "restored_calls": restored,
-        "prefix_tokens_saved": saved,
+        **total,
         "superseded_chunk_keys_left": len(lingering),
-        "interrupted_calls_tokens_level_none": none_level,
-        "interrupted_calls_tokens_decoded": regenerated,
+        "interrupted_work_tokens_level_none": none_level,
+        "interrupted_work_tokens_decoded": decoded,
         "violations": violations,
     }
     (args.out / "parity.json").write_text(json.dumps(report, indent=2))
+    unit = "recoverable cuts" if args.level == "prefix" else "partly done episodes"
     print(f"\n{args.level}-level recovery parity ({args.out / 'parity.json'})")
-    print(f"killed at trainer step {killed['step']} with {killed['recoverable_cuts']} recoverable "
-          f"cuts; {killed['processes_killed']} processes, none left")  # fmt: skip
-    print(f"{'step':>4} {'same batch':>11} {'|loss diff|':>12} {'same reward':>12} "
-          f"{'restored':>9} {'prefix tok':>11} {'generated':>10}")  # fmt: skip
+    print(f"killed at trainer step {killed['step']} with {killed['recoverable_cuts']} {unit}; "
+          f"{killed['processes_killed']} processes, none left")  # fmt: skip
+    print(f"{'step':>4} {'same batch':>11} {'|loss diff|':>12} {'same reward':>12} {'episodes':>9} "
+          f"{'calls':>6} {'turn tok':>9} {'prefix tok':>11} {'generated':>10}")  # fmt: skip
     for r in rows:
-        print(f"{r[0]:>4} {r[1]!s:>11} {r[2]:>12.3g} {r[3]!s:>12} {r[4]:>9} {r[5]:>11} {r[6]:>10}")
+        print(f"{r[0]:>4} {r[1]!s:>11} {r[2]:>12.3g} {r[3]!s:>12} {r[4]:>9} {r[5]:>6} "
+              f"{r[6]:>9} {r[7]:>11} {r[8]:>10}")  # fmt: skip
     for step, d in sorted(details.items()):
         print(
             f"step {step} generation logprobs: {d['logprobs_bit_identical']:.1%} bit-identical, "
             f"max |diff| {d['logprobs_max_abs_diff']:.3g}, "
             f"Spearman {d['logprobs_spearman']:.6f}"
         )
-    print(f"recovery savings: {restored} in-flight calls resumed from {saved} staged tokens; "
-          f"the interrupted calls cost {regenerated} decoded tokens instead of {none_level} at "
-          f"level none ({1 - regenerated / max(none_level, 1):.0%} saved)")  # fmt: skip
+    saved_from = (f"{total['restored_calls']} in-flight calls resumed from "
+                  f"{total['restored_prefix_tokens']} staged tokens" if args.level == "prefix" else
+                  f"{total['restored_episodes']} episodes resumed after "
+                  f"{total['restored_turn_tokens']} committed-turn tokens")  # fmt: skip
+    saved = 1 - decoded / max(none_level, 1)
+    print(f"recovery savings: {saved_from}; the interrupted work cost {decoded} decoded tokens "
+          f"instead of {none_level} at level none ({saved:.0%} saved)")  # fmt: skip
     if violations:
         print("FAIL:\n  " + "\n  ".join(violations))
         return 1

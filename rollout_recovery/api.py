@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import ray
 
 from rollout_recovery.config import RolloutRecoveryConfig
@@ -27,20 +26,25 @@ from rollout_recovery.data_plane import (
     ReplayRow,
     SnapshotError,
     StagingStore,
-    replay_rows_to_table,
-    table_to_replay_rows,
 )
 from rollout_recovery.data_plane.snapshot_io import published_uris
-from rollout_recovery.environment.lineage import LineageStore
-from rollout_recovery.environment.model_client import ModelCallClient
-from rollout_recovery.environment.participant import CheckpointParticipant, ProtocolError
-from rollout_recovery.environment.token_sink import StoreTokenSink
+from rollout_recovery.environment.participant import ProtocolError
+from rollout_recovery.environment.rollout_env import RolloutEnvironmentActor
 from rollout_recovery.generation import WorkerHandle, start_workers, stop_workers
 from rollout_recovery.runtime import init_ray
 from rollout_recovery.tiny_model import resolve_model_path
 
 log = logging.getLogger("rollout_recovery")
 LEDGER = "ledger.json"
+COUNTERS = (
+    "restored_episodes",
+    "restored_calls",
+    "restored_prefix_tokens",
+    "restored_turn_tokens",
+    "tail_tokens",
+    "regenerated_tokens",
+    "tool_applications",
+)
 
 
 @dataclass
@@ -49,6 +53,7 @@ class GroupResult:
     rows: list[ReplayRow]
     rewards: list[float]
     generated_tokens: int
+    states: list[dict | None]  # each episode's final tool state (None: restored finished)
 
 
 class RolloutRecovery:
@@ -57,25 +62,18 @@ class RolloutRecovery:
         self.ray_address = ray_address
         self.store: StagingStore | None = None
         self.workers: list[WorkerHandle] = []
-        self.clients: list[ModelCallClient] = []
+        self.env = None  # the RolloutEnvironment actor
         self.weight_version = 0
         self.model_dir = resolve_model_path(cfg.policy.model_path)
-        self._rr = itertools.count()
-        # One private loop, on its own thread, for every async call: HTTP connection pools
-        # belong to a loop, and the caller's thread may already run one (a Ray actor does).
+        # One private loop, on its own thread, for every async call: the caller's thread may
+        # already run one (a Ray actor does).
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self.step = 0  # the trainer step whose rollouts are being generated
-        self._inflight: dict[str, tuple[int, int, int]] = {}  # rollout -> (worker, attempt, limit)
         self._epoch = itertools.count(1)
         self.snapshot_root = str(Path(cfg.checkpointing.checkpoint_dir) / "data_plane")
         self.checkpoint_log = Path(cfg.checkpointing.checkpoint_dir) / "checkpoints.jsonl"
-        self.participant = CheckpointParticipant()
-        self.restored_calls = 0
-        self.restored_prefix_tokens = 0
-        self.restored_tail_tokens = 0  # decoded after a prefix resume
-        self.regenerated_tokens = 0  # decoded again from scratch after a restore
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -86,132 +84,72 @@ class RolloutRecovery:
         init_ray(self.ray_address, log_to_driver=False)
         self.store = StagingStore.create(num_shards=1)
         self.workers = start_workers(self.cfg, store=self.store)
-        sink, lineage = StoreTokenSink(self.store), LineageStore()
-        self.clients = [
-            ModelCallClient(w.info.url, w.info.served_model_name, sink, lineage)
-            for w in self.workers
-        ]
+        env_cls = ray.remote(RolloutEnvironmentActor).options(num_cpus=0, max_concurrency=16)
+        self.env = env_cls.remote(self.cfg, self.workers, self.store)
+        ray.get(self.env.counters.remote())  # constructed
         return self
 
     def close(self) -> None:
-        async def close_clients():
-            for c in self.clients:
-                await c.aclose()
-
-        self._run(close_clients())
+        if self.env is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.env.close.remote(), timeout=30)
+            ray.kill(self.env)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if self.workers:
             stop_workers(self.workers)
         if self.store is not None:
             self.store.shutdown()
-        self.workers, self.store = [], None
+        self.workers, self.store, self.env = [], None, None
 
     # ------------------------------------------------------------------ rollouts
-
-    async def _generate(
-        self, group_id: str, messages, gen_index: int, seed: int, reward_fn, resume: dict | None
-    ):
-        worker = next(self._rr) % len(self.clients)
-        client = self.clients[worker]
-        g = self.cfg.policy.generation
-        rollout_id = f"{group_id}-g{gen_index}"
-        attempt = resume["attempt"] + 1 if resume else 0
-        xargs = {"rr_seed": seed, "rr_temperature": g.temperature}
-        if resume and resume.get("keys"):
-            xargs |= {
-                "rr_resume_keys": resume["keys"],
-                "rr_resume_tokens": resume["tokens"],
-                "rr_resume_digest": resume["digest"],
-                "rr_resume_limit": g.max_new_tokens,
-            }
-            self.restored_calls += 1
-            self.restored_prefix_tokens += resume["tokens"]
-        await self.participant.admitted()  # parked while a checkpoint is being taken
-        self._inflight[rollout_id] = (worker, attempt, g.max_new_tokens)
-        try:
-            res = await client.call(
-                rollout_id,
-                "c0",
-                messages,
-                attempt=attempt,
-                temperature=0.0,
-                max_tokens=g.max_new_tokens,
-                ignore_eos=True,
-                vllm_xargs=xargs,
-            )
-        finally:
-            self._inflight.pop(rollout_id, None)
-        e = res.entry
-        prompt, gen = e.prompt_token_ids, e.generated_token_ids
-        if resume and resume.get("keys"):
-            self.restored_tail_tokens += len(gen) - resume["tokens"]
-        elif resume:
-            self.regenerated_tokens += len(gen)
-        reward = float(reward_fn(res.assistant_message.get("content") or ""))
-        row = ReplayRow(
-            key=f"{group_id}/{gen_index:03d}",
-            rollout_id=rollout_id,
-            group_id=group_id,
-            generation_index=gen_index,
-            prompt_len=len(prompt),
-            token_ids=np.asarray([*prompt, *gen], np.int32),
-            loss_mask=np.asarray([0] * len(prompt) + [1] * len(gen), np.int8),
-            logprobs=np.asarray([0.0] * len(prompt) + list(e.generated_logprobs), np.float32),
-            reward=reward,
-            weight_version_min=self.weight_version,
-            weight_version_max=self.weight_version,
-        )
-        # Durable as soon as it is finished: a crash later does not regenerate it.
-        await self.store.aput("replay", replay_rows_to_table([row]))
-        return row, len(gen)
 
     def submit_groups(
         self,
         groups: list[tuple[str, list[dict]]],
         seeds: Callable[[int, int], int],
         reward_fn: Callable[[str], float],
-        resume: dict[str, dict] | None = None,
     ) -> list[GroupResult]:
-        """Generate `grpo.generations_per_prompt` rollouts per (group id, messages) pair,
-        concurrently, and put them into the `replay` partition. `seeds(group, gen)` gives each
-        generation its own sampler seed, so runs are reproducible. Rollouts whose replay row is
-        already stored (restored from a snapshot) are not generated again; `resume` maps a
-        rollout id to its continuation from the ledger (attempt, staging keys, tokens, digest)."""
+        """Run `grpo.generations_per_prompt` episodes per (group id, messages) pair,
+        concurrently, in the environment; each finished episode becomes a `replay` row.
+        `seeds(group, gen)` gives each generation its own sampler seed, so runs are
+        reproducible. Episodes whose row is already stored are not run again, and episodes a
+        restore brought back continue from their last committed turn (or cut prefix)."""
         n = self.cfg.grpo.generations_per_prompt
-        resume = resume or {}
-        done = set(self.store.list("replay"))
+        seed_table = [[seeds(gi, i) for i in range(n)] for gi in range(len(groups))]
 
-        async def existing(key: str):
-            table, _ = await self.store.aget("replay", [key])
-
-            return table_to_replay_rows(table)[0], 0
-
-        def job(gi: int, gid: str, msgs, i: int):
-            if f"{gid}/{i:03d}" in done:
-                return existing(f"{gid}/{i:03d}")
-            return self._generate(gid, msgs, i, seeds(gi, i), reward_fn, resume.get(f"{gid}-g{i}"))
+        async def episodes():
+            return await self.env.run_groups.remote(
+                groups, seed_table, reward_fn, self.weight_version
+            )
 
         async def run():
-            jobs = [
-                job(gi, gid, msgs, i) for gi, (gid, msgs) in enumerate(groups) for i in range(n)
-            ]
-            cadence = None
-            if self.cfg.rollout_recovery.target_level == "prefix":
-                cadence = asyncio.ensure_future(self._checkpoint_cadence())
+            work = asyncio.ensure_future(episodes())
+            if self.cfg.rollout_recovery.target_level == "none":
+                return await work
+            cadence = asyncio.ensure_future(self._checkpoint_cadence())
             try:
-                return await asyncio.gather(*jobs)
+                await asyncio.wait({work, cadence}, return_when=asyncio.FIRST_COMPLETED)
+                if cadence.done():  # it gave up after max_consecutive_failures: stop the run
+                    cadence.result()
+                return work.result()
             finally:
-                if cadence is not None:
-                    cadence.cancel()
-                    await asyncio.gather(cadence, return_exceptions=True)
+                cadence.cancel()
+                await asyncio.gather(cadence, return_exceptions=True)
 
         out = self._run(run())
         results = []
         for gi, (gid, _) in enumerate(groups):
             part = out[gi * n : (gi + 1) * n]
-            rows, rewards = [r for r, _ in part], [r.reward for r, _ in part]
-            results.append(GroupResult(gid, rows, rewards, sum(t for _, t in part)))
+            results.append(
+                GroupResult(
+                    gid,
+                    [r for r, _, _ in part],
+                    [r.reward for r, _, _ in part],
+                    sum(t for _, t, _ in part),
+                    [s for _, _, s in part],
+                )
+            )
         return results
 
     # ------------------------------------------------------------------ training side
@@ -227,12 +165,10 @@ class RolloutRecovery:
         self.step = step
 
     def counters(self) -> dict[str, int]:
-        return {
-            "restored_calls": self.restored_calls,
-            "restored_prefix_tokens": self.restored_prefix_tokens,
-            "tail_tokens": self.restored_tail_tokens,
-            "regenerated_tokens": self.regenerated_tokens,
-        }
+        """Restore counters: restored episodes and calls, prefix / turn tokens kept, tail and
+        regenerated tokens decoded, tool applications."""
+        got = ray.get(self.env.counters.remote())
+        return {k: got.get(k, 0) for k in COUNTERS}
 
     def push_weights(self, weights_dir: str | Path, version: int | None = None) -> int:
         """Load new weights into every worker as the next weight version (or `version`, when
@@ -259,42 +195,28 @@ class RolloutRecovery:
                     raise
 
     async def checkpoint(self, reason: str) -> dict:
-        """Fence every worker, cut in-flight calls, snapshot the store with the ledger (manifest
-        last), release the fences. Returns the per-checkpoint metrics (also appended to
+        """One checkpoint attempt (DESIGN.md §4): fence the workers, prepare the environment
+        (admission closed, in-flight calls cut), commit its episode records, snapshot the
+        store with the ledger (manifest last), then release the fences and reopen admission,
+        also when the attempt fails. Returns the per-checkpoint metrics (also appended to
         checkpoints.jsonl)."""
         t0 = time.monotonic()
         epoch = next(self._epoch)
         lease_s = self.cfg.token_capture.control_timeout_s * 3
         ckpt_id = f"ckpt-{self.step}-{epoch}"
-        await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in self.workers))
-        self.participant.prepare(ckpt_id, lease_s)
+        fenced = self.workers if self.cfg.token_capture.enabled else []
+        await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in fenced))
         try:
-            inflight = dict(self._inflight)
-            per_worker: dict[int, list[dict]] = {}
-            for rid, (worker, attempt, _) in inflight.items():
-                per_worker.setdefault(worker, []).append(
-                    {"rollout_id": rid, "model_call_id": "c0", "attempt": attempt}
-                )
-            receipts = await asyncio.gather(*(
-                self.workers[w].actor.cut.remote({"checkpoint_id": ckpt_id, "calls": calls})
-                for w, calls in per_worker.items()
-            ))  # fmt: skip
-            continuations, reasons = {}, {}
-            for receipt in receipts:
-                for c in receipt["calls"]:
-                    if c["disposition"] == "durable_prefix" and c["cut_kind"] == "active_prefix":
-                        continuations[c["rollout_id"]] = {
-                            "attempt": c["attempt"], "keys": c["staging_keys"],
-                            "tokens": c["prefix_token_count"], "digest": c["prefix_digest"],
-                        }  # fmt: skip
-                    else:  # regenerated after a restore, as the next attempt
-                        continuations[c["rollout_id"]] = {"attempt": c["attempt"]}
-                        why = c["reason"] or c["cut_kind"]
-                        reasons[why] = reasons.get(why, 0) + 1
-            self.participant.prepared(ckpt_id)
-            ledger = {"format": 1, "step": self.step, "weight_version": self.weight_version,
-                      "continuations": continuations, "reason": reason,
-                      "level": self.cfg.rollout_recovery.target_level}  # fmt: skip
+            cuts = await self.env.prepare.remote(ckpt_id, lease_s)
+            records = await self.env.commit.remote(ckpt_id)
+            ledger = {
+                "format": 2,
+                "step": self.step,
+                "weight_version": self.weight_version,
+                "reason": reason,
+                "level": self.cfg.rollout_recovery.target_level,
+                **records,  # episodes, continuations
+            }
             s0 = time.monotonic()
             snap = await self.store.asnapshot(
                 self.snapshot_root,
@@ -302,27 +224,28 @@ class RolloutRecovery:
                 sidecars={LEDGER: json.dumps(ledger, sort_keys=True).encode()},
             )
             snapshot_s = time.monotonic() - s0
-            self.participant.commit(ckpt_id)
         finally:
             fence_s = time.monotonic() - t0
             with contextlib.suppress(ProtocolError):  # a lapsed lease already reopened it
-                self.participant.resume(ckpt_id)
-            await asyncio.gather(*(w.actor.end_fence.remote(epoch) for w in self.workers))
+                await self.env.resume.remote(ckpt_id)
+            await asyncio.gather(*(w.actor.end_fence.remote(epoch) for w in fenced))
         StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
         metrics = {
             "checkpoint": snap.uri, "reason": reason, "step": self.step,
             "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,
-            "calls_cut": sum(1 for c in continuations.values() if "keys" in c),
-            "calls_not_cut": reasons,
+            "episodes_recorded": len(records["episodes"]), **cuts,
         }  # fmt: skip
         with open(self.checkpoint_log, "a") as fh:
             fh.write(json.dumps(metrics) + "\n")
         return metrics
 
     def restore(self, mode: str | None = None) -> dict | None:
-        """Restore the store from the snapshot `restore_snapshot` selects; returns its ledger,
-        or None when there is nothing to restore."""
-        self.participant.restore(self.snapshot_root)  # refused once calls were served
+        """Restore the store from the snapshot `restore_snapshot` selects and load its episode
+        records into the (fresh) environment; returns the ledger, or None when there is
+        nothing to restore."""
+        restore_id = f"restore-{time.time_ns()}"
+        ray.get(self.env.begin_restore.remote(restore_id))  # refused once calls were served
+        records: list[dict] = []
         try:
             picked = restore_snapshot(
                 self.store,
@@ -330,8 +253,10 @@ class RolloutRecovery:
                 mode or self.cfg.rollout_checkpointing.restore_mode,
                 self.cfg.rollout_recovery.target_level,
             )
+            if picked is not None:
+                records = picked[1].get("episodes", [])
         finally:
-            self.participant.restored(self.snapshot_root)
+            ray.get(self.env.end_restore.remote(restore_id, records))
         if picked is None:
             return None
         uri, ledger = picked
@@ -368,7 +293,8 @@ def restore_snapshot(store: StagingStore, root: str, mode: str, level: str):
             print(f"Snapshot {uri} is unusable ({err}); falling back to the previous one")
             continue
         taken = ledger.get("level", "none")
-        if ledger["continuations"] and LEVELS.index(taken) > LEVELS.index(level):
+        unfinished = ledger["continuations"] or ledger.get("episodes")
+        if unfinished and LEVELS.index(taken) > LEVELS.index(level):
             raise RuntimeError(
                 f"snapshot {uri} holds {taken}-level recovery state; restore it with "
                 f"rollout_recovery.target_level={taken}, or use "

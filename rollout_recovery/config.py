@@ -193,6 +193,16 @@ class GrpoConfig(_Block):
     seed: int = 0
 
 
+class EnvironmentConfig(_Block):
+    max_turns: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Model calls per episode: 1 is single-turn GRPO; more makes multi-turn "
+        "episodes where the tally tool acts between calls.",
+    )
+
+
 class RolloutRecoveryConfig(_Block):
     """The whole job configuration (one YAML file)."""
 
@@ -202,6 +212,7 @@ class RolloutRecoveryConfig(_Block):
     rollout_recovery: RolloutRecoveryLevelConfig = RolloutRecoveryLevelConfig()
     rollout_checkpointing: RolloutCheckpointingConfig = RolloutCheckpointingConfig()
     checkpointing: CheckpointingConfig = CheckpointingConfig()
+    environment: EnvironmentConfig = EnvironmentConfig()
     grpo: GrpoConfig = GrpoConfig()
 
     @model_validator(mode="after")
@@ -232,6 +243,12 @@ class RolloutRecoveryConfig(_Block):
                 "rollout_recovery.target_level=prefix refuses policy.generation.top_logprobs="
                 f"{self.policy.generation.top_logprobs} (top-k logprobs are not staged with "
                 "prefixes); set policy.generation.top_logprobs=0, or use target_level=turn"
+            )
+        if self.environment.max_turns > 1 and not self.token_capture.supply_prefix_token_ids:
+            raise ConfigError(
+                f"environment.max_turns={self.environment.max_turns} needs token_capture."
+                "supply_prefix_token_ids=true (each turn must continue its parent's exact "
+                "tokens, or the episode is not one token sequence); set it, or max_turns=1"
             )
         return self
 

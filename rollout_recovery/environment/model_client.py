@@ -77,10 +77,12 @@ class ModelCallClient:
         supply_prefix: bool = False,
         request_token_ids: bool = True,
         client: httpx.AsyncClient | None = None,
+        turn_end_token_id: int | None = None,
     ) -> None:
         self.base_url, self.model = base_url.rstrip("/"), model
         self.sink, self.lineage = sink, lineage
         self.supply_prefix, self.request_token_ids = supply_prefix, request_token_ids
+        self.turn_end_token_id = turn_end_token_id
         self.client = client or httpx.AsyncClient(timeout=600)
         self.diagnostics = CaptureDiagnostics()
         self._finish: dict[tuple[str, str], str | None] = {}  # parent finish reasons
@@ -111,8 +113,13 @@ class ModelCallClient:
         prefix = None
         if resolution.outcome == ParentResolution.RESOLVED and self.supply_prefix:
             parent_finish = self._finish.get((rollout_id, resolution.parent_call_id))
-            if parent_finish == "stop":  # the parent closed its turn: its tokens continue exactly
-                prefix = list(resolution.parent_tokens)
+            # A parent cut by the length limit did not emit its end of turn; the chat template
+            # closes its message with that token, so the prefix does too.
+            closing = []
+            if parent_finish == "length" and self.turn_end_token_id is not None:
+                closing = [self.turn_end_token_id]
+            if parent_finish == "stop" or closing:  # its tokens continue exactly
+                prefix = [*resolution.parent_tokens, *closing]
                 request[PREFIX_FIELD] = prefix
                 self.diagnostics.add("supply.eligible")
             else:
@@ -162,6 +169,14 @@ class ModelCallClient:
         self.lineage.record(rollout_id, model_call_id, messages, assistant, entry.cumulative_ids())
         self._finish[(rollout_id, model_call_id)] = entry.finish_reason
         return CallResult(entry, response, assistant, resolution)
+
+    def adopt(self, entry: TokenEntry, messages: list[dict], assistant: dict) -> None:
+        """Register a call restored from a checkpoint, so its child resolves to it (and gets
+        its exact tokens supplied) as if this client had made it."""
+        self.lineage.record(
+            entry.rollout_id, entry.model_call_id, messages, assistant, entry.cumulative_ids()
+        )
+        self._finish[(entry.rollout_id, entry.model_call_id)] = entry.finish_reason
 
     async def aclose(self) -> None:
         await self.client.aclose()

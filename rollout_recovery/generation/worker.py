@@ -40,6 +40,7 @@ class WorkerInfo(BaseModel):
     engine_pids: list[int]
     vllm_version: str
     startup_s: float
+    eos_token_id: int | None = None  # closes an assistant turn in the chat template
 
 
 class WorkerHealth(BaseModel):
@@ -152,6 +153,7 @@ class GenerationWorker:
             engine_pids=_child_pids(),
             vllm_version=vllm.__version__,
             startup_s=round(time.monotonic() - t0, 3),
+            eos_token_id=self._engine.output_processor.tokenizer.eos_token_id,
         )
         return self._info
 

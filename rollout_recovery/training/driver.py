@@ -76,6 +76,12 @@ def _write_batch(path: Path, table) -> None:
         writer.write_table(table)
 
 
+def _write_states(path: Path, results) -> None:
+    """Each episode's final tool state, by replay key (None: finished before a restore)."""
+    states = {r.key: s for g in results for r, s in zip(g.rows, g.states, strict=True)}
+    path.write_text(json.dumps(states, sort_keys=True))
+
+
 def _trainer_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "trainer" / f"step-{step:06d}"
 
@@ -95,7 +101,7 @@ def train(
     try:
         model = load_policy(resolve_model_path(cfg.policy.model_path))
         opt = torch.optim.AdamW(model.parameters(), lr=g.learning_rate)
-        start, resume = 0, {}
+        start = 0
         if restore:
             ledger = rr.restore(cfg.rollout_checkpointing.restore_mode)
             if ledger is None:
@@ -106,7 +112,7 @@ def train(
                 )
             else:
                 print(f"Selected rollout recovery snapshot: {ledger['snapshot']}", flush=True)
-                start, resume = ledger["step"], ledger["continuations"]
+                start = ledger["step"]
                 if start > 0:
                     ckpt = _trainer_dir(run_dir, start)
                     if not (ckpt / "meta.json").exists():
@@ -129,13 +135,12 @@ def train(
             def seeds(gi: int, gen: int, step: int = step) -> int:
                 return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen
 
-            results = rr.submit_groups(
-                groups, seeds, digit_reward, resume=resume if step == start else None
-            )
+            results = rr.submit_groups(groups, seeds, digit_reward)
             gen_s = time.monotonic() - t0
             tokens = sum(r.generated_tokens for r in results)
             lease = rr.take_batch(len(groups) * g.generations_per_prompt)
             _write_batch(run_dir / "batches" / f"step-{step + 1:06d}.arrow", lease.rows)
+            _write_states(run_dir / "batches" / f"step-{step + 1:06d}.states.json", results)
             ids, attn, mask, old, rewards = _batch_tensors(lease.rows)
             adv = group_advantages(rewards, g.generations_per_prompt)
             loss = clipped_pg_loss(token_logprobs(model, ids, attn), old, adv, mask)

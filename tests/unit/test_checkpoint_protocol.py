@@ -12,6 +12,7 @@ import pytest
 
 from rollout_recovery.api import RolloutRecovery
 from rollout_recovery.config import load_config
+from rollout_recovery.environment.rollout_env import RolloutEnvironment
 
 
 class _Method:
@@ -28,9 +29,22 @@ class _Method:
 class FakeWorker:
     def __init__(self) -> None:
         self.held: set[int] = set()
-        self.begin_fence = _Method(lambda epoch, lease: self.held.add(epoch))
+        self.begun: list[int] = []
+        self.begin_fence = _Method(
+            lambda epoch, lease: (self.held.add(epoch), self.begun.append(epoch))
+        )
         self.end_fence = _Method(lambda epoch: self.held.discard(epoch))
         self.cut = _Method(lambda inv: {"calls": []})
+
+
+class LocalActor:
+    """An in-process object called the way the controller calls an actor (`.remote`)."""
+
+    def __init__(self, obj) -> None:
+        self.obj = obj
+
+    def __getattr__(self, name):
+        return _Method(getattr(self.obj, name))
 
 
 class FailingStore:
@@ -43,14 +57,17 @@ def _rr(tmp_path, failures: int = 2) -> tuple[RolloutRecovery, list[FakeWorker]]
         None,
         [
             f"checkpointing.checkpoint_dir={tmp_path}",
+            "token_capture.enabled=true",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.01",
             f"rollout_checkpointing.max_consecutive_failures={failures}",
         ],
     )
     rr = RolloutRecovery(cfg)
     fakes = [FakeWorker(), FakeWorker()]
-    rr.workers = [SimpleNamespace(actor=f) for f in fakes]
+    info = SimpleNamespace(url="http://127.0.0.1:9", served_model_name="policy", eos_token_id=2)
+    rr.workers = [SimpleNamespace(actor=f, info=info) for f in fakes]
     rr.store = FailingStore()
+    rr.env = LocalActor(RolloutEnvironment(cfg, rr.workers, None))
     return rr, fakes
 
 
@@ -58,8 +75,8 @@ def test_a_failed_checkpoint_releases_every_fence_and_publishes_nothing(tmp_path
     rr, fakes = _rr(tmp_path)
     with pytest.raises(OSError, match="disk full"):
         asyncio.run(rr.checkpoint("cadence"))
-    assert all(not f.held for f in fakes)
-    assert rr.participant.state == "idle"  # admission reopened after the failed attempt
+    assert all(f.begun == [1] and not f.held for f in fakes)
+    assert rr.env.obj.participant.state == "idle"  # admission reopened after the failure
     assert not (tmp_path / "checkpoints.jsonl").exists()
     assert not (tmp_path / "data_plane").exists()
 

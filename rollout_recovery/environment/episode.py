@@ -1,0 +1,160 @@
+"""One episode (rollout) as the environment runs it, and its checkpoint record.
+
+An episode is a conversation of up to `environment.max_turns` model calls. After every call
+but the last, the environment's tool acts on the episode's state and its result is the next
+message. The turns committed so far, the state, and (prefix level) the in-flight call's cut
+continuation make the episode's record: restoring it re-admits the episode as attempt + 1
+from its last committed turn, so no committed turn is decoded again and no tool effect is
+applied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rollout_recovery.data_plane import ReplayRow
+from rollout_recovery.environment.token_entry import TokenEntry, read_token_entry
+
+RECORD_FORMAT = 1
+
+
+class ToolEffectRepeated(RuntimeError):
+    """A tool was asked to act twice for the same turn of an episode."""
+
+
+class TrajectoryError(RuntimeError):
+    """An episode's turns do not form one token sequence (the prefix was not supplied)."""
+
+
+class TallyTool:
+    """A tool with a side effect on environment state: it adds the digits of the model's
+    reply (plus one) to the episode's tally and answers with the new tally. Repeating a turn
+    would be visible in the tally, in every later prompt and in the reward."""
+
+    name = "tally"
+
+    def __init__(self) -> None:
+        self.applications = 0  # effects applied by this environment process
+
+    @staticmethod
+    def initial_state() -> dict[str, Any]:
+        return {"tally": 0, "effects": []}
+
+    def apply(self, state: dict[str, Any], turn: int, reply: str) -> str:
+        if turn in state["effects"]:
+            raise ToolEffectRepeated(f"the {self.name} tool already acted for turn {turn}")
+        state["tally"] += sum(c.isdigit() for c in reply) + 1
+        state["effects"].append(turn)
+        self.applications += 1
+        return json.dumps({"tally": state["tally"]})
+
+
+def call_seed(seed: int, turn: int) -> int:
+    """The sampler seed of an episode's call `turn` (turn 0 uses the episode's own seed)."""
+    if turn == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{turn}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")
+
+
+@dataclass
+class TurnRecord:
+    """A finished call: its token entry and where its messages sit in the conversation."""
+
+    entry: TokenEntry
+    request_messages: int  # the call's request was messages[:request_messages]
+
+
+@dataclass
+class Episode:
+    rollout_id: str
+    group_id: str
+    generation_index: int
+    seed: int
+    messages: list[dict]
+    state: dict[str, Any]
+    attempt: int = 0
+    turns: list[TurnRecord] = field(default_factory=list)
+    continuation: dict | None = None  # the cut of the call in flight at the checkpoint
+
+    @property
+    def next_call_id(self) -> str:
+        return f"c{len(self.turns)}"
+
+    def replies(self) -> list[str]:
+        return [self.messages[t.request_messages].get("content") or "" for t in self.turns]
+
+    def to_record(self) -> dict:
+        return {
+            "format": RECORD_FORMAT,
+            "rollout_id": self.rollout_id,
+            "group_id": self.group_id,
+            "generation_index": self.generation_index,
+            "seed": self.seed,
+            "attempt": self.attempt,
+            "messages": self.messages,
+            "state": self.state,
+            "turns": [
+                {"entry": t.entry.model_dump(mode="json"), "request_messages": t.request_messages}
+                for t in self.turns
+            ],
+            "continuation": self.continuation,
+        }
+
+    @classmethod
+    def from_record(cls, rec: dict) -> Episode:
+        if rec.get("format") != RECORD_FORMAT:
+            raise ValueError(f"episode record format {rec.get('format')!r} is not {RECORD_FORMAT}")
+        turns = [
+            TurnRecord(read_token_entry(t["entry"]), t["request_messages"]) for t in rec["turns"]
+        ]
+        return cls(
+            rollout_id=rec["rollout_id"],
+            group_id=rec["group_id"],
+            generation_index=rec["generation_index"],
+            seed=rec["seed"],
+            messages=rec["messages"],
+            state=rec["state"],
+            attempt=rec["attempt"],
+            turns=turns,
+            continuation=rec.get("continuation"),
+        )
+
+
+def replay_row(ep: Episode, reward: float, weight_version: int) -> ReplayRow:
+    """The training row of a finished episode: the last call's prompt and generated tokens,
+    with the loss mask and logprobs on every turn's generated tokens. Each turn's tokens must
+    sit where the next call's prompt put them, otherwise the episode fails closed."""
+    last = ep.turns[-1].entry
+    ids = np.asarray(last.cumulative_ids(), np.int32)
+    mask = np.zeros(len(ids), np.int8)
+    logprobs = np.zeros(len(ids), np.float32)
+    for t in ep.turns:
+        e = t.entry
+        start, gen = len(e.prompt_token_ids), e.generated_token_ids
+        if ids[start : start + len(gen)].tolist() != gen:
+            raise TrajectoryError(
+                f"{ep.rollout_id}/{e.model_call_id}: its tokens are not in the final sequence; "
+                "multi-turn episodes need token_capture.supply_prefix_token_ids=true"
+            )
+        mask[start : start + len(gen)] = 1
+        logprobs[start : start + len(gen)] = e.generated_logprobs
+    first = ep.turns[0].entry
+    return ReplayRow(
+        key=f"{ep.group_id}/{ep.generation_index:03d}",
+        rollout_id=ep.rollout_id,
+        group_id=ep.group_id,
+        generation_index=ep.generation_index,
+        prompt_len=len(first.prompt_token_ids),
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=logprobs,
+        reward=reward,
+        weight_version_min=weight_version,
+        weight_version_max=weight_version,
+    )

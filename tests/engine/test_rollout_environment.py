@@ -1,0 +1,131 @@
+"""RolloutEnvironment against a real worker: 3-turn tool episodes checkpointed mid-episode and
+restored into a fresh environment, at turn level (resume at turn 2, the tool's effect on turn 1
+not repeated) and at prefix level (the call in flight resumes from its cut)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from rollout_recovery.environment.participant import ProtocolError
+from rollout_recovery.environment.rollout_env import RolloutEnvironment
+from rollout_recovery.training.task import digit_reward
+
+pytestmark = pytest.mark.engine
+MESSAGES = [{"role": "user", "content": "Count the digits: 12 34 56"}]
+
+
+def _cfg(tiny_cfg, level: str, max_tokens: int):
+    cfg = tiny_cfg.model_copy(deep=True)
+    cfg.environment.max_turns = 3
+    cfg.token_capture.enabled = True
+    cfg.token_capture.supply_prefix_token_ids = True
+    cfg.rollout_recovery.target_level = level
+    cfg.checkpointing.save_data_plane = True
+    cfg.policy.generation.max_new_tokens = max_tokens
+    return cfg
+
+
+def _episode(env: RolloutEnvironment, store, gid: str, seed: int):
+    [(row, _, state)] = env.run_groups([(gid, MESSAGES)], [[seed]], digit_reward, 0)
+    store.delete("replay", [row.key])
+    return row, state
+
+
+def _wait(pred, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def _checkpoint_then_crash(env: RolloutEnvironment, gid: str, seed: int, at_call: str, park: bool):
+    """Run one episode; checkpoint while `at_call` is in flight (`park`: commit only once the
+    episode has parked at the next turn boundary); then drop the environment mid-episode."""
+    rid = f"{gid}-g0"
+    run = asyncio.run_coroutine_threadsafe(
+        env._run_groups([(gid, MESSAGES)], [[seed]], digit_reward, 0), env._loop
+    )
+    _wait(lambda: env._inflight.get(rid, (0, ""))[1] == at_call, f"{at_call} in flight")
+    if not park:
+        time.sleep(0.3)  # let the call decode a prefix
+    cuts = env.prepare("ckpt-1", lease_s=60)
+    if park:
+        _wait(lambda: rid not in env._inflight and len(env.episodes[rid].turns) > 0, "park")
+    records = env.commit("ckpt-1")
+    run.cancel()  # the crash: this environment never continues
+    env.close()
+    return cuts, records
+
+
+def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture_worker, tiny_cfg):
+    worker, store = capture_worker
+    cfg = _cfg(tiny_cfg, "turn", 48)
+    reference = RolloutEnvironment(cfg, [worker], store)
+    ref_row, ref_state = _episode(reference, store, "tref", seed=11)
+    assert ref_state == {"tally": ref_state["tally"], "effects": [0, 1]}
+    with pytest.raises(ProtocolError, match="already served"):
+        reference.begin_restore("r0")  # an environment that served calls is not restored into
+    reference.close()
+
+    _, records = _checkpoint_then_crash(
+        RolloutEnvironment(cfg, [worker], store), "trec", 11, at_call="c0", park=True
+    )
+    [rec] = records["episodes"]
+    assert len(rec["turns"]) == 1 and rec["state"]["effects"] == [0]
+    assert rec["continuation"] is None  # parked at the turn boundary: nothing in flight
+
+    fresh = RolloutEnvironment(cfg, [worker], store)
+    fresh.begin_restore("r1")
+    assert fresh.end_restore("r1", records["episodes"]) == 1
+    row, state = _episode(fresh, store, "trec", seed=11)
+    counts = fresh.counters()
+    fresh.close()
+    # One tool effect (turn 2's) in the fresh environment; turn 1's came from the record.
+    assert fresh.tool.applications == 1 and counts["tool_applications"] == 1
+    assert state == ref_state
+    assert counts["restored_episodes"] == 1
+    assert counts["restored_turn_tokens"] == len(rec["turns"][0]["entry"]["generated_token_ids"])
+    np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
+    np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
+    np.testing.assert_array_equal(row.logprobs, ref_row.logprobs)
+    assert row.reward == ref_row.reward and row.prompt_len == ref_row.prompt_len
+    # The resumed turns are attempt 1 of the episode; the committed turn keeps attempt 0.
+    entries = set(store.list("token_entries", prefix="trec-g0/"))
+    assert {"trec-g0/c0/a0", "trec-g0/c1/a1", "trec-g0/c2/a1"} <= entries
+    assert "trec-g0/c1/a0" not in entries
+
+
+def test_prefix_level_restore_resumes_the_cut_call_of_turn_2(capture_worker, tiny_cfg):
+    worker, store = capture_worker
+    cfg = _cfg(tiny_cfg, "prefix", 160)
+    reference = RolloutEnvironment(cfg, [worker], store)
+    ref_row, ref_state = _episode(reference, store, "pref", seed=5)
+    reference.close()
+    turn_lengths = np.diff(np.flatnonzero(np.diff(np.r_[0, ref_row.loss_mask, 0]) != 0))[::2]
+    assert turn_lengths[1] > 100, "the seed must give turn 2 a long call to cut"
+
+    cuts, records = _checkpoint_then_crash(
+        RolloutEnvironment(cfg, [worker], store), "prec", 5, at_call="c1", park=False
+    )
+    assert cuts["calls_cut"] == 1
+    [rec] = records["episodes"]
+    cont = rec["continuation"]
+    assert len(rec["turns"]) == 1 and cont["call_id"] == "c1" and cont["attempt"] == 0
+    assert 0 < cont["tokens"] < turn_lengths[1] and records["continuations"]["prec-g0"] == cont
+
+    fresh = RolloutEnvironment(cfg, [worker], store)
+    fresh.begin_restore("r2")
+    fresh.end_restore("r2", records["episodes"])
+    row, state = _episode(fresh, store, "prec", seed=5)
+    counts = fresh.counters()
+    fresh.close()
+    assert counts["restored_calls"] == 1 and counts["restored_prefix_tokens"] == cont["tokens"]
+    assert counts["tail_tokens"] + cont["tokens"] == turn_lengths[1]
+    assert state == ref_state and fresh.tool.applications == 1
+    np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
+    np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
+    np.testing.assert_array_equal(row.logprobs, ref_row.logprobs)
