@@ -341,10 +341,11 @@ def main() -> int:
             f"max |diff| {d['logprobs_max_abs_diff']:.3g}, "
             f"Spearman {d['logprobs_spearman']:.6f}"
         )
-    saved_from = (f"{total['restored_calls']} in-flight calls resumed from "
-                  f"{total['restored_prefix_tokens']} staged tokens" if args.level == "prefix" else
-                  f"{total['restored_episodes']} episodes resumed after "
-                  f"{total['restored_turn_tokens']} committed-turn tokens")  # fmt: skip
+    saved_from = (f"{total['restored_episodes']} episodes resumed with "
+                  f"{total['restored_turn_tokens']} committed-turn tokens kept")  # fmt: skip
+    if args.level == "prefix":
+        saved_from += (f", {total['restored_calls']} in-flight calls resumed from "
+                       f"{total['restored_prefix_tokens']} staged tokens")  # fmt: skip
     saved = 1 - decoded / max(none_level, 1)
     print(f"recovery savings: {saved_from}; the interrupted work cost {decoded} decoded tokens "
           f"instead of {none_level} at level none ({saved:.0%} saved)")  # fmt: skip

@@ -13,10 +13,11 @@ from tests.cluster.store_helpers import replay_table
 pytestmark = pytest.mark.cluster
 
 
-def _snap(store, root, step, reason, continuations=None, level="prefix"):
+def _snap(store, root, step, reason, continuations=None, level="prefix", episodes=()):
     store.put("replay", replay_table([f"r/{step}-{reason}"]))
-    ledger = {"format": 1, "step": step, "weight_version": step, "reason": reason,
-              "continuations": continuations or {}, "level": level}  # fmt: skip
+    ledger = {"format": 2, "step": step, "weight_version": step, "reason": reason,
+              "continuations": continuations or {}, "level": level,
+              "episodes": list(episodes)}  # fmt: skip
     return store.snapshot(
         root, meta={"trainer_step": str(step), "reason": reason},
         sidecars={LEDGER: json.dumps(ledger).encode()},
@@ -50,3 +51,13 @@ def test_restore_mode_selection_fallback_and_level_refusal(make_store, tmp_path,
     with pytest.raises(RuntimeError, match=r"rollout_recovery\.target_level=prefix"):
         restore_snapshot(target, root, "latest", "none")
     assert restore_snapshot(make_store(1), str(tmp_path / "empty"), "latest", "prefix") is None
+
+
+def test_turn_level_episodes_are_refused_by_level_none(make_store, tmp_path):
+    root = str(tmp_path / "snaps")
+    episode = {"rollout_id": "r-g0", "turns": [{}], "continuation": None}
+    _snap(make_store(1), root, 1, "cadence", level="turn", episodes=[episode])
+    with pytest.raises(RuntimeError, match=r"rollout_recovery\.target_level=turn"):
+        restore_snapshot(make_store(1), root, "latest", "none")
+    uri, ledger = restore_snapshot(make_store(1), root, "latest", "turn")
+    assert ledger["episodes"] == [episode] and ledger["level"] == "turn" and Path(uri).is_dir()

@@ -62,6 +62,24 @@ def test_three_turn_tool_conversation_has_no_drift(two_workers, tmp_path):
     assert diag["calls.total"] == 3 and diag["resolve.ROOT"] == 1
 
 
+def test_a_turn_cut_by_the_length_limit_is_closed_and_continued_exactly(two_workers, tmp_path):
+    worker = two_workers[0].info
+    assert worker.eos_token_id == EOS
+    mc = _client(worker.url, tmp_path, supply_prefix=True, turn_end_token_id=worker.eos_token_id)
+    capped = {"temperature": 0.0, "max_tokens": 5, "logit_bias": {str(EOS): -100}}
+
+    async def conversation():
+        msgs = [{"role": "user", "content": "Say something long."}]
+        first = await mc.call("cap", "t0", msgs, **capped)
+        second = await mc.call("cap", "t1", [*msgs, first.assistant_message, _tool("ok")], **TURN)
+        return first, second
+
+    first, second = asyncio.run(conversation())
+    assert first.entry.finish_reason == "length" and EOS not in first.entry.generated_token_ids
+    closed = [*first.entry.cumulative_ids(), EOS]  # what the chat template closes it with
+    assert second.entry.prefix_supplied and second.entry.prompt_token_ids[: len(closed)] == closed
+
+
 def test_fork_gets_the_parents_prefix_and_ambiguity_is_not_supplied(two_workers, tmp_path):
     url = two_workers[0].info.url
     mc = _client(url, tmp_path, supply_prefix=True)

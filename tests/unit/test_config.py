@@ -225,3 +225,11 @@ def test_prefix_supply_rules():
     )
     assert "cannot be proven on the completions API" in msg
     assert _load("token_capture.supply_prefix_token_ids=true").token_capture.supply_prefix_token_ids
+
+
+def test_multi_turn_episodes_need_prefix_supply():
+    msg = _error("environment.max_turns=3")
+    assert "environment.max_turns=3 needs token_capture.supply_prefix_token_ids=true" in msg
+    cfg = _load("environment.max_turns=3", "token_capture.supply_prefix_token_ids=true")
+    assert cfg.environment.max_turns == 3
+    assert "environment.max_turns" in _error("environment.max_turns=0")

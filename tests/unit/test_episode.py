@@ -1,0 +1,88 @@
+"""Episode records, the tally tool's once-per-turn effect, and the training row of a
+multi-turn episode (pure logic)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rollout_recovery.environment.episode import (
+    Episode,
+    TallyTool,
+    ToolEffectRepeated,
+    TrajectoryError,
+    TurnRecord,
+    call_seed,
+    replay_row,
+)
+from rollout_recovery.environment.token_entry import TokenEntry
+
+
+def _entry(call: str, prompt: list[int], gen: list[int]) -> TokenEntry:
+    return TokenEntry.build(
+        rollout_id="r-g0",
+        model_call_id=call,
+        attempt=0,
+        prompt_token_ids=prompt,
+        generated_token_ids=gen,
+        generated_logprobs=[-0.5 - i for i in range(len(gen))],
+        finish_reason="stop",
+    )
+
+
+def _episode() -> Episode:
+    tool = TallyTool()
+    ep = Episode("r-g0", "r", 0, 7, [{"role": "user", "content": "go"}], tool.initial_state())
+    first = _entry("c0", [1, 2, 3], [10, 11, 2])
+    ep.messages.append({"role": "assistant", "content": "a1"})
+    ep.turns.append(TurnRecord(first, 1))
+    ep.messages.append({"role": "tool", "content": tool.apply(ep.state, 0, "a1")})
+    second = _entry("c1", [*first.cumulative_ids(), 4, 5], [12, 2])
+    ep.messages.append({"role": "assistant", "content": "7b"})
+    ep.turns.append(TurnRecord(second, 3))
+    return ep
+
+
+def test_the_tally_tool_acts_once_per_turn():
+    tool = TallyTool()
+    state = tool.initial_state()
+    assert json.loads(tool.apply(state, 0, "a 12")) == {"tally": 3}
+    assert json.loads(tool.apply(state, 1, "none")) == {"tally": 4}
+    with pytest.raises(ToolEffectRepeated, match="turn 1"):
+        tool.apply(state, 1, "99")
+    assert state == {"tally": 4, "effects": [0, 1]} and tool.applications == 2
+
+
+def test_the_row_masks_every_turns_generated_tokens():
+    row = replay_row(_episode(), reward=0.5, weight_version=3)
+    assert row.token_ids.tolist() == [1, 2, 3, 10, 11, 2, 4, 5, 12, 2]
+    assert row.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert row.prompt_len == 3 and row.key == "r/000" and row.weight_version_max == 3
+    np.testing.assert_array_equal(
+        row.logprobs, np.float32([0, 0, 0, -0.5, -1.5, -2.5, 0, 0, -0.5, -1.5])
+    )
+
+
+def test_a_turn_whose_tokens_were_re_rendered_fails_closed():
+    ep = _episode()
+    drifted = _entry("c1", [1, 2, 3, 10, 99, 2, 4, 5], [12, 2])  # history re-tokenized
+    ep.turns[1] = TurnRecord(drifted, 3)
+    with pytest.raises(TrajectoryError, match="supply_prefix_token_ids"):
+        replay_row(ep, 0.0, 0)
+
+
+def test_records_round_trip_through_json():
+    ep = _episode()
+    ep.attempt, ep.continuation = 2, {"call_id": "c2", "attempt": 2, "keys": ["k"], "tokens": 4}
+    back = Episode.from_record(json.loads(json.dumps(ep.to_record())))
+    assert back == ep and back.next_call_id == "c2" and back.replies() == ["a1", "7b"]
+    with pytest.raises(ValueError, match="format"):
+        Episode.from_record({**ep.to_record(), "format": 99})
+
+
+def test_turn_seeds_are_distinct_and_turn_0_keeps_the_episode_seed():
+    seeds = [call_seed(1234, t) for t in range(4)]
+    assert seeds[0] == 1234 and len(set(seeds)) == 4
+    assert seeds == [call_seed(1234, t) for t in range(4)] and all(0 <= s < 2**56 for s in seeds)
