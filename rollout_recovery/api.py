@@ -14,6 +14,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ from rollout_recovery.tiny_model import resolve_model_path
 log = logging.getLogger("rollout_recovery")
 LEDGER = "ledger.json"
 COUNTERS = (
+    "checkpoints",
+    "checkpoint_failures",
+    "fence_hold_s",
     "restored_episodes",
     "restored_calls",
     "restored_prefix_tokens",
@@ -74,6 +78,7 @@ class RolloutRecovery:
         self._epoch = itertools.count(1)
         self.snapshot_root = str(Path(cfg.checkpointing.checkpoint_dir) / "data_plane")
         self.checkpoint_log = Path(cfg.checkpointing.checkpoint_dir) / "checkpoints.jsonl"
+        self.stats: Counter[str] = Counter()  # checkpoints, failures, fence hold seconds
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -164,10 +169,11 @@ class RolloutRecovery:
         """The trainer step whose rollouts are generated next (recorded in ledgers)."""
         self.step = step
 
-    def counters(self) -> dict[str, int]:
-        """Restore counters: restored episodes and calls, prefix / turn tokens kept, tail and
-        regenerated tokens decoded, tool applications."""
-        got = ray.get(self.env.counters.remote())
+    def counters(self) -> dict[str, float]:
+        """Running totals: checkpoints taken and failed, fence hold seconds; restored episodes
+        and calls, prefix / turn tokens kept, tail and regenerated tokens decoded, tool
+        applications."""
+        got = ray.get(self.env.counters.remote()) | self.stats
         return {k: got.get(k, 0) for k in COUNTERS}
 
     def push_weights(self, weights_dir: str | Path, version: int | None = None) -> int:
@@ -202,11 +208,13 @@ class RolloutRecovery:
         checkpoints.jsonl)."""
         t0 = time.monotonic()
         epoch = next(self._epoch)
-        lease_s = self.cfg.token_capture.control_timeout_s * 3
+        timeout = self.cfg.rollout_checkpointing.attempt_timeout_s
+        lease_s = max(self.cfg.token_capture.control_timeout_s * 3, timeout + 5)
         ckpt_id = f"ckpt-{self.step}-{epoch}"
         fenced = self.workers if self.cfg.token_capture.enabled else []
-        await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in fenced))
-        try:
+
+        async def attempt():
+            await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in fenced))
             cuts = await self.env.prepare.remote(ckpt_id, lease_s)
             records = await self.env.commit.remote(ckpt_id)
             ledger = {
@@ -222,14 +230,28 @@ class RolloutRecovery:
                 self.snapshot_root,
                 meta={"trainer_step": str(self.step), "reason": reason},
                 sidecars={LEDGER: json.dumps(ledger, sort_keys=True).encode()},
+                deadline=t0 + timeout,
             )
-            snapshot_s = time.monotonic() - s0
+            return cuts, records, snap, time.monotonic() - s0
+
+        try:
+            cuts, records, snap, snapshot_s = await asyncio.wait_for(attempt(), timeout)
+        except Exception as err:
+            self.stats["checkpoint_failures"] += 1
+            if isinstance(err, TimeoutError):
+                raise TimeoutError(
+                    f"checkpoint {ckpt_id} took longer than rollout_checkpointing."
+                    f"attempt_timeout_s={timeout}; aborted, nothing published"
+                ) from None
+            raise
         finally:
             fence_s = time.monotonic() - t0
             with contextlib.suppress(ProtocolError):  # a lapsed lease already reopened it
                 await self.env.resume.remote(ckpt_id)
             await asyncio.gather(*(w.actor.end_fence.remote(epoch) for w in fenced))
         StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
+        self.stats["checkpoints"] += 1
+        self.stats["fence_hold_s"] += fence_s
         metrics = {
             "checkpoint": snap.uri, "reason": reason, "step": self.step,
             "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,

@@ -157,6 +157,9 @@ class RolloutRecoveryLevelConfig(_Block):
 
 class RolloutCheckpointingConfig(_Block):
     snapshot_attempt_interval_s: float = 60.0
+    attempt_timeout_s: float = Field(
+        60.0, gt=0.0, description="A checkpoint attempt still running after this is aborted."
+    )
     keep_latest_k: int = 3
     max_consecutive_failures: int = Field(3, ge=1)
     restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from rollout_recovery.data_plane.errors import (
     BatchTooLargeError,
     InvalidKeyError,
     SnapshotCorruptError,
+    SnapshotError,
     UnknownPartitionError,
 )
 from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
@@ -321,17 +323,25 @@ class StagingStore:
         root_uri: str,
         meta: dict[str, str] | None = None,
         sidecars: dict[str, bytes] | None = None,
+        deadline: float | None = None,
     ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
         Every put that returned before this call is in it; each shard is captured atomically.
         `sidecars` (name -> bytes, e.g. a controller ledger) are written, checksummed and listed
-        in the manifest before it is published.
+        in the manifest before it is published. Past `deadline` (time.monotonic()) nothing is
+        published: the caller has given the attempt up, and the unpublished directory is
+        garbage-collected later.
         """
         fs, root = resolve(root_uri)
         seq, path = new_snapshot_dir(fs, root)
         uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
-        results = ray.get([s.snapshot.remote(uri) for s in self.shards], timeout=self.timeout_s)
+        timeout = self.timeout_s
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+            if timeout <= 0:
+                raise SnapshotError(f"snapshot {uri} missed its deadline; it was not published")
+        results = ray.get([s.snapshot.remote(uri) for s in self.shards], timeout=timeout)
         files = [f for fs_, _ in results for f in fs_]
         leases = [le for _, ls in results for le in ls]
         side = [write_sidecar(fs, path, n, d) for n, d in (sidecars or {}).items()]
@@ -347,6 +357,8 @@ class StagingStore:
             meta=dict(meta or {}),
             sidecars=side,
         )
+        if deadline is not None and time.monotonic() > deadline:
+            raise SnapshotError(f"snapshot {uri} missed its deadline; it was not published")
         return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body))
 
     @staticmethod
@@ -405,8 +417,9 @@ class StagingStore:
         root_uri: str,
         meta: dict[str, str] | None = None,
         sidecars: dict[str, bytes] | None = None,
+        deadline: float | None = None,
     ) -> SnapshotResult:
-        return await asyncio.to_thread(self.snapshot, root_uri, meta, sidecars)
+        return await asyncio.to_thread(self.snapshot, root_uri, meta, sidecars, deadline)
 
     async def arestore(self, snapshot_uri: str) -> Manifest:
         return await asyncio.to_thread(self.restore, snapshot_uri)

@@ -82,6 +82,22 @@ def _write_states(path: Path, results) -> None:
     path.write_text(json.dumps(states, sort_keys=True))
 
 
+def _step_line(r: dict) -> str:
+    line = (
+        f"step {r['step']}: loss {r['loss']:+.4f}  mean reward {r['mean_reward']:.3f}  "
+        f"{r['tokens_per_s']:.0f} tok/s  checkpoint {r['checkpoint_s']:.2f}s  "
+        f"rollout checkpoints {r['checkpoints']:.0f} (fence {r['fence_hold_s']:.2f}s"
+        + (f", {r['checkpoint_failures']:.0f} failed)" if r["checkpoint_failures"] else ")")
+    )
+    if r["restored_episodes"]:
+        line += (
+            f"  restored {r['restored_episodes']} episodes / {r['restored_calls']} calls: kept "
+            f"{r['restored_turn_tokens']} turn + {r['restored_prefix_tokens']} prefix tokens, "
+            f"decoded {r['tail_tokens']} tail + {r['regenerated_tokens']} regenerated"
+        )
+    return line
+
+
 def _trainer_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "trainer" / f"step-{step:06d}"
 
@@ -174,11 +190,7 @@ def train(
             history.append(record)
             with open(log_path, "a") as fh:
                 fh.write(json.dumps(record) + "\n")
-            bar.write(
-                f"step {step + 1}: loss {record['loss']:+.4f}  mean reward "
-                f"{record['mean_reward']:.3f}  {record['tokens_per_s']:.0f} tok/s  "
-                f"checkpoint {ckpt_s:.2f}s"
-            )
+            bar.write(_step_line(record))
     finally:
         rr.close()
     return history

@@ -21,6 +21,7 @@ from rollout_recovery.data_plane import (
     InvalidKeyError,
     SchemaMismatchError,
     SnapshotCorruptError,
+    SnapshotError,
     StagingStore,
     StoreLimits,
     UnknownPartitionError,
@@ -371,6 +372,16 @@ def test_gc_keeps_the_newest_k_and_latest_ignores_unpublished(make_store, tmp_pa
     assert sorted(removed) == sorted(uris[:2])
     assert (root / "snapshot-0000000099-deadbeef").exists()  # newer: may still be written
     assert StagingStore.latest(str(tmp_path / "empty")) is None
+
+
+def test_a_snapshot_past_its_deadline_is_not_published(make_store, tmp_path):
+    store = make_store(1)
+    root = str(tmp_path / "snaps")
+    store.put("replay", replay_table(["r/late"]))
+    with pytest.raises(SnapshotError, match="missed its deadline; it was not published"):
+        store.snapshot(root, deadline=time.monotonic())
+    assert StagingStore.latest(root) is None
+    assert store.snapshot(root, deadline=time.monotonic() + 60).uri == StagingStore.latest(root)
 
 
 async def test_async_api(make_store, tmp_path):

@@ -52,7 +52,12 @@ class FailingStore:
         raise OSError("disk full")
 
 
-def _rr(tmp_path, failures: int = 2) -> tuple[RolloutRecovery, list[FakeWorker]]:
+class HangingStore:
+    async def asnapshot(self, *args, **kwargs):
+        await asyncio.sleep(3600)
+
+
+def _rr(tmp_path, failures: int = 2, *extra: str) -> tuple[RolloutRecovery, list[FakeWorker]]:
     cfg = load_config(
         None,
         [
@@ -60,6 +65,7 @@ def _rr(tmp_path, failures: int = 2) -> tuple[RolloutRecovery, list[FakeWorker]]
             "token_capture.enabled=true",
             "rollout_checkpointing.snapshot_attempt_interval_s=0.01",
             f"rollout_checkpointing.max_consecutive_failures={failures}",
+            *extra,
         ],
     )
     rr = RolloutRecovery(cfg)
@@ -94,3 +100,14 @@ def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
     with pytest.raises(OSError):
         asyncio.run(asyncio.wait_for(rr._checkpoint_cadence(), timeout=10))
     assert len(calls) == 3 and all(not f.held for f in fakes)
+
+
+def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path):
+    rr, fakes = _rr(tmp_path, 2, "rollout_checkpointing.attempt_timeout_s=0.3")
+    rr.store = HangingStore()
+    with pytest.raises(TimeoutError, match=r"attempt_timeout_s=0\.3; aborted, nothing published"):
+        asyncio.run(rr.checkpoint("cadence"))
+    assert all(f.begun == [1] and not f.held for f in fakes)
+    assert rr.env.obj.participant.state == "idle"
+    assert rr.stats["checkpoint_failures"] == 1 and rr.stats["checkpoints"] == 0
+    assert not (tmp_path / "data_plane").exists()
