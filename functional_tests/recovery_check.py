@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -104,22 +105,34 @@ def phase1(args, run_dir: Path) -> dict:
     deadline = time.monotonic() + args.timeout
     chosen = None
     tree: set[int] = set()
+
+    def newest_if_ready() -> dict | None:
+        """The newest published snapshot, if it holds enough recoverable items: the one a
+        restore picks."""
+        uris = published_uris(root) if Path(root).exists() else []
+        try:
+            n, ledger = recoverable(args, uris[-1]) if uris else (0, {})
+        except Exception:
+            return None
+        if n < args.cuts or ledger["step"] < 1:
+            return None
+        return {"snapshot": uris[-1], "recoverable_cuts": n, "step": ledger["step"],
+                "ledger": ledger}  # fmt: skip
+
     while chosen is None:
         if proc.poll() is not None:
             sys.exit(f"FAIL: phase 1 finished before {args.cuts} recoverable items were published")
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
-            sys.exit("FAIL: no snapshot with enough recoverable cuts in time")
+            sys.exit("FAIL: no snapshot with enough recoverable items in time")
         tree |= descendants(proc.pid)
-        for uri in reversed(published_uris(root) if Path(root).exists() else []):
-            try:
-                n, ledger = recoverable(args, uri)
-            except Exception:
-                continue
-            if n >= args.cuts and ledger["step"] >= 1:
-                chosen = {"snapshot": uri, "recoverable_cuts": n, "step": ledger["step"],
-                          "ledger": ledger}  # fmt: skip
-                break
+        if newest_if_ready() is not None:
+            # Freeze the run, then decide on what is published now: nothing newer can
+            # appear before the kill, so phase 2 restores exactly the chosen snapshot.
+            _signal_all(proc.pid, tree, signal.SIGSTOP)
+            chosen = newest_if_ready()
+            if chosen is None:
+                _signal_all(proc.pid, tree, signal.SIGCONT)
         time.sleep(0.05)
     tree |= descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -133,7 +146,15 @@ def phase1(args, run_dir: Path) -> dict:
     if survivors:
         sys.exit(f"FAIL: processes survived the SIGKILL of phase 1: {sorted(survivors)}")
     chosen["processes_killed"] = len(tree) + 1
+    chosen["finished_keys"] = sorted(snapshot_keys(chosen["snapshot"], "replay"))
     return chosen
+
+
+def _signal_all(pgid: int, pids: set[int], sig: int) -> None:
+    os.killpg(pgid, sig)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _zombie(pid: int) -> bool:
@@ -189,17 +210,63 @@ def compare_batches(a, b) -> dict:
     return out
 
 
-def final_staging_keys(run_dir: Path) -> set[str]:
+def snapshot_keys(snapshot_uri: str, partition: str) -> set[str]:
     import pyarrow as pa
 
-    from rollout_recovery.data_plane.snapshot_io import published_uris
-
-    latest = published_uris(str(run_dir / "data_plane"))[-1]
     keys: set[str] = set()
-    for f in Path(latest).glob("shard-*/rollout_staging.*.arrow"):
+    for f in Path(snapshot_uri).glob(f"shard-*/{partition}.*.arrow"):
         with pa.memory_map(str(f)) as src:
             keys |= set(pa.ipc.open_file(src).read_all().column("key").to_pylist())
     return keys
+
+
+def final_staging_keys(run_dir: Path) -> set[str]:
+    from rollout_recovery.data_plane.snapshot_io import published_uris
+
+    return snapshot_keys(published_uris(str(run_dir / "data_plane"))[-1], "rollout_staging")
+
+
+def turn_lengths(loss_mask) -> list[int]:
+    """Generated tokens per turn: the lengths of the loss mask's runs of ones."""
+    import numpy as np
+
+    edges = np.flatnonzero(np.diff(np.r_[0, loss_mask, 0]) != 0)
+    return (edges[1::2] - edges[::2]).tolist()
+
+
+def check_restored_once(args, killed: dict, rec_dir: Path, total: dict) -> list[str]:
+    """Every unfinished episode of the restored snapshot was re-admitted once; at prefix
+    level every cut call was resumed once from its whole prefix, and prefix + tail is the
+    call's length in the training batch."""
+    from rollout_recovery.data_plane.schemas import list_rows
+
+    ledger, finished = killed["ledger"], set(killed["finished_keys"])
+    unfinished = [e for e in ledger.get("episodes", [])
+                  if f"{e['group_id']}/{e['generation_index']:03d}" not in finished]  # fmt: skip
+    out = []
+    if total["restored_episodes"] != len(unfinished):
+        out.append(f"{total['restored_episodes']} episodes re-admitted, the snapshot holds "
+                   f"{len(unfinished)} unfinished")  # fmt: skip
+    if args.level != "prefix":
+        return out
+    cut = [e for e in unfinished if (e.get("continuation") or {}).get("keys")]
+    staged = sum(e["continuation"]["tokens"] for e in cut)
+    if (total["restored_calls"], total["restored_prefix_tokens"]) != (len(cut), staged):
+        out.append(f"{total['restored_calls']} calls resumed from "
+                   f"{total['restored_prefix_tokens']} tokens; the snapshot cut {len(cut)} "
+                   f"calls with {staged}")  # fmt: skip
+    table = batch(rec_dir, ledger["step"] + 1)
+    masks = dict(zip(table.column("key").to_pylist(), list_rows(table, "loss_mask"), strict=True))
+    lengths = sum(
+        turn_lengths(masks[f"{e['group_id']}/{e['generation_index']:03d}"])[
+            int(e["continuation"]["call_id"][1:])
+        ]
+        for e in cut
+    )
+    if lengths != staged + total["tail_tokens"]:
+        out.append(f"resumed calls are {lengths} tokens long, but prefix {staged} + tail "
+                   f"{total['tail_tokens']} = {staged + total['tail_tokens']}")  # fmt: skip
+    return out
 
 
 def compare_states(ref_dir: Path, rec_dir: Path, step: int, max_turns: int) -> list[str]:
@@ -296,6 +363,7 @@ def main() -> int:
     total = {c: sum(rec[s].get(c, 0) for s in rec) for c in
              ("restored_episodes", "restored_calls", "restored_prefix_tokens",
               "restored_turn_tokens", "tail_tokens", "regenerated_tokens")}  # fmt: skip
+    violations += check_restored_once(args, killed, rec_dir, total)
     kill_ledger = killed["ledger"]  # read before phase 2 could garbage-collect the snapshot
     old_keys = {k for c in kill_ledger["continuations"].values() for k in c.get("keys", [])}
     lingering = old_keys & final_staging_keys(rec_dir)
@@ -312,6 +380,8 @@ def main() -> int:
         violations.append(f"only {restored} {what} (< {args.cuts})")
     if not selected:
         violations.append("phase 2 did not log the selected snapshot")
+    elif not selected[-1].endswith(killed["snapshot"]):
+        violations.append(f"phase 2 restored {selected[-1]!r}, not {killed['snapshot']}")
     report = {
         "level": args.level,
         "reference_s": t_ref,

@@ -172,9 +172,10 @@ class RolloutRecovery:
     def counters(self) -> dict[str, float]:
         """Running totals: checkpoints taken and failed, fence hold seconds; restored episodes
         and calls, prefix / turn tokens kept, tail and regenerated tokens decoded, tool
-        applications."""
+        applications; `restore_refused.<reason>` for each episode record that started over."""
         got = ray.get(self.env.counters.remote()) | self.stats
-        return {k: got.get(k, 0) for k in COUNTERS}
+        refused = {k: v for k, v in got.items() if k.startswith("restore_refused.")}
+        return {k: got.get(k, 0) for k in COUNTERS} | refused
 
     def push_weights(self, weights_dir: str | Path, version: int | None = None) -> int:
         """Load new weights into every worker as the next weight version (or `version`, when

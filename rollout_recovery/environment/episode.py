@@ -5,26 +5,36 @@ but the last, the environment's tool acts on the episode's state and its result 
 message. The turns committed so far, the state, and (prefix level) the in-flight call's cut
 continuation make the episode's record: restoring it re-admits the episode as attempt + 1
 from its last committed turn, so no committed turn is decoded again and no tool effect is
-applied twice.
+applied twice. A record names each turn's TokenEntry by id and payload digest; the tokens
+themselves are in the data plane's `token_entries` partition, in the same snapshot.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rollout_recovery.data_plane import ReplayRow
-from rollout_recovery.environment.token_entry import TokenEntry, read_token_entry
+from rollout_recovery.environment.token_entry import TokenEntry
 
 RECORD_FORMAT = 1
 
 
 class ToolEffectRepeated(RuntimeError):
     """A tool was asked to act twice for the same turn of an episode."""
+
+
+class RecordError(ValueError):
+    """A record cannot be restored exactly; `reason` names why (counted by the caller)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
 
 
 class TrajectoryError(RuntimeError):
@@ -86,6 +96,21 @@ class Episode:
     def next_call_id(self) -> str:
         return f"c{len(self.turns)}"
 
+    @classmethod
+    def restart(cls, rec: dict, initial_state: dict[str, Any]) -> Episode:
+        """The record's episode from its first prompt, with nothing kept (attempt preserved):
+        what a record that cannot be restored exactly falls back to."""
+        first = rec["turns"][0]["request_messages"] if rec["turns"] else len(rec["messages"])
+        return cls(
+            rollout_id=rec["rollout_id"],
+            group_id=rec["group_id"],
+            generation_index=rec["generation_index"],
+            seed=rec["seed"],
+            messages=rec["messages"][:first],
+            state=initial_state,
+            attempt=rec["attempt"],
+        )
+
     def replies(self) -> list[str]:
         return [self.messages[t.request_messages].get("content") or "" for t in self.turns]
 
@@ -100,19 +125,30 @@ class Episode:
             "messages": self.messages,
             "state": self.state,
             "turns": [
-                {"entry": t.entry.model_dump(mode="json"), "request_messages": t.request_messages}
+                {
+                    "entry_id": t.entry.entry_id,
+                    "payload_sha256": t.entry.payload_sha256(),
+                    "request_messages": t.request_messages,
+                }
                 for t in self.turns
             ],
             "continuation": self.continuation,
         }
 
     @classmethod
-    def from_record(cls, rec: dict) -> Episode:
+    def from_record(cls, rec: dict, entries: Callable[[str], TokenEntry | None]) -> Episode:
+        """Rebuild an episode; `entries` looks a TokenEntry up by id. A missing entry or one
+        whose payload differs from the committed one raises RecordError."""
         if rec.get("format") != RECORD_FORMAT:
-            raise ValueError(f"episode record format {rec.get('format')!r} is not {RECORD_FORMAT}")
-        turns = [
-            TurnRecord(read_token_entry(t["entry"]), t["request_messages"]) for t in rec["turns"]
-        ]
+            raise RecordError("record_format", f"{rec.get('format')!r} is not {RECORD_FORMAT}")
+        turns = []
+        for t in rec["turns"]:
+            entry = entries(t["entry_id"])
+            if entry is None:
+                raise RecordError("missing_entry", f"{t['entry_id']} is not in the snapshot")
+            if entry.payload_sha256() != t["payload_sha256"]:
+                raise RecordError("entry_digest_mismatch", f"{t['entry_id']} was changed")
+            turns.append(TurnRecord(entry, t["request_messages"]))
         return cls(
             rollout_id=rec["rollout_id"],
             group_id=rec["group_id"],

@@ -30,6 +30,7 @@ from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.data_plane import replay_rows_to_table, table_to_replay_rows
 from rollout_recovery.environment.episode import (
     Episode,
+    RecordError,
     TallyTool,
     TurnRecord,
     call_seed,
@@ -48,7 +49,7 @@ class RolloutEnvironment:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        sink = StoreTokenSink(store) if store is not None else None
+        self.sink = sink = StoreTokenSink(store) if store is not None else None
         lineage = LineageStore()
         tc = cfg.token_capture
         self.clients = [
@@ -255,8 +256,16 @@ class RolloutEnvironment:
         self._call(self.participant.restore, restore_id)
 
     def end_restore(self, restore_id: str, records: list[dict]) -> int:
-        """Load the episode records of a restored snapshot; returns how many are unfinished."""
-        episodes = [Episode.from_record(r) for r in records]
+        """Load the episode records of a restored snapshot (their token entries come from
+        the restored store); returns how many episodes are unfinished. A record that cannot
+        be restored exactly fails closed: its episode starts over, counted by reason."""
+        episodes = []
+        for rec in records:
+            try:
+                episodes.append(Episode.from_record(rec, self.sink.get))
+            except RecordError as err:
+                self.counts[f"restore_refused.{err.reason}"] += 1
+                episodes.append(Episode.restart(rec, self.tool.initial_state()))
 
         def load():
             self.pending = {ep.rollout_id: ep for ep in episodes}

@@ -185,7 +185,7 @@ def train(
                 "checkpoint_s": ckpt_s,
                 "snapshot_s": snap["snapshot_s"],
                 "batch_digest": _batch_digest(lease.rows),
-                **{k: v - before[k] for k, v in rr.counters().items()},
+                **{k: v - before.get(k, 0) for k, v in rr.counters().items()},
             }
             history.append(record)
             with open(log_path, "a") as fh:

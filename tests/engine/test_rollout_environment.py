@@ -88,7 +88,8 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
     assert fresh.tool.applications == 1 and counts["tool_applications"] == 1
     assert state == ref_state
     assert counts["restored_episodes"] == 1
-    assert counts["restored_turn_tokens"] == len(rec["turns"][0]["entry"]["generated_token_ids"])
+    committed = fresh.sink.get(rec["turns"][0]["entry_id"])
+    assert counts["restored_turn_tokens"] == len(committed.generated_token_ids) > 0
     np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
     np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
     np.testing.assert_array_equal(row.logprobs, ref_row.logprobs)

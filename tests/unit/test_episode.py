@@ -8,8 +8,10 @@ import json
 import numpy as np
 import pytest
 
+from rollout_recovery.config import load_config
 from rollout_recovery.environment.episode import (
     Episode,
+    RecordError,
     TallyTool,
     ToolEffectRepeated,
     TrajectoryError,
@@ -17,7 +19,9 @@ from rollout_recovery.environment.episode import (
     call_seed,
     replay_row,
 )
+from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.environment.token_entry import TokenEntry
+from rollout_recovery.environment.token_sink import JsonlTokenSink
 
 
 def _entry(call: str, prompt: list[int], gen: list[int]) -> TokenEntry:
@@ -73,13 +77,35 @@ def test_a_turn_whose_tokens_were_re_rendered_fails_closed():
         replay_row(ep, 0.0, 0)
 
 
-def test_records_round_trip_through_json():
+def test_records_round_trip_with_their_entries_from_the_data_plane():
     ep = _episode()
     ep.attempt, ep.continuation = 2, {"call_id": "c2", "attempt": 2, "keys": ["k"], "tokens": 4}
-    back = Episode.from_record(json.loads(json.dumps(ep.to_record())))
+    entries = {t.entry.entry_id: t.entry for t in ep.turns}
+    record = json.loads(json.dumps(ep.to_record()))
+    assert "prompt_token_ids" not in json.dumps(record)  # tokens stay in the data plane
+    back = Episode.from_record(record, entries.get)
     assert back == ep and back.next_call_id == "c2" and back.replies() == ["a1", "7b"]
-    with pytest.raises(ValueError, match="format"):
-        Episode.from_record({**ep.to_record(), "format": 99})
+    with pytest.raises(RecordError, match="record_format"):
+        Episode.from_record({**record, "format": 99}, entries.get)
+    with pytest.raises(RecordError, match="missing_entry: r-g0/c1/a0"):
+        Episode.from_record(record, {"r-g0/c0/a0": ep.turns[0].entry}.get)
+    changed = _entry("c0", [1, 2, 3], [10, 11, 12])
+    with pytest.raises(RecordError, match="entry_digest_mismatch"):
+        Episode.from_record(record, {**entries, "r-g0/c0/a0": changed}.get)
+
+
+def test_a_record_that_cannot_be_restored_starts_over_in_the_environment(tmp_path):
+    env = RolloutEnvironment(load_config(None, []), [], None)
+    try:
+        env.sink = JsonlTokenSink(tmp_path / "entries.jsonl")  # holds none of the entries
+        env.begin_restore("r1")
+        assert env.end_restore("r1", [_episode().to_record()]) == 1
+        ep = env.pending["r-g0"]
+        assert ep.turns == [] and ep.messages == [{"role": "user", "content": "go"}]
+        assert ep.state == TallyTool.initial_state() and ep.continuation is None
+        assert env.counters() == {"restore_refused.missing_entry": 1}
+    finally:
+        env.close()
 
 
 def test_turn_seeds_are_distinct_and_turn_0_keeps_the_episode_seed():
