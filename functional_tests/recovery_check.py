@@ -251,6 +251,10 @@ def check_restored_once(args, killed: dict, rec_dir: Path, total: dict) -> list[
         return out
     cut = [e for e in unfinished if (e.get("continuation") or {}).get("keys")]
     staged = sum(e["continuation"]["tokens"] for e in cut)
+    accepted, refused = total["worker_resumes_accepted"], total["worker_resumes_refused"]
+    if refused or accepted != total["restored_calls"]:
+        out.append(f"the workers resumed {accepted} calls and refused {refused}; "
+                   f"{total['restored_calls']} were sent with a prefix")  # fmt: skip
     if (total["restored_calls"], total["restored_prefix_tokens"]) != (len(cut), staged):
         out.append(f"{total['restored_calls']} calls resumed from "
                    f"{total['restored_prefix_tokens']} tokens; the snapshot cut {len(cut)} "
@@ -362,7 +366,8 @@ def main() -> int:
         violations += compare_states(ref_dir, rec_dir, step, args.max_turns)
     total = {c: sum(rec[s].get(c, 0) for s in rec) for c in
              ("restored_episodes", "restored_calls", "restored_prefix_tokens",
-              "restored_turn_tokens", "tail_tokens", "regenerated_tokens")}  # fmt: skip
+              "restored_turn_tokens", "tail_tokens", "regenerated_tokens",
+              "worker_resumes_accepted", "worker_resumes_refused")}  # fmt: skip
     violations += check_restored_once(args, killed, rec_dir, total)
     kill_ledger = killed["ledger"]  # read before phase 2 could garbage-collect the snapshot
     old_keys = {k for c in kill_ledger["continuations"].values() for k in c.get("keys", [])}

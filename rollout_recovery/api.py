@@ -175,7 +175,20 @@ class RolloutRecovery:
         applications; `restore_refused.<reason>` for each episode record that started over."""
         got = ray.get(self.env.counters.remote()) | self.stats
         refused = {k: v for k, v in got.items() if k.startswith("restore_refused.")}
-        return {k: got.get(k, 0) for k in COUNTERS} | refused
+        return {k: got.get(k, 0) for k in COUNTERS} | refused | self._worker_resumes()
+
+    def _worker_resumes(self) -> dict[str, int]:
+        """What the workers did with resume requests: accepted (resumed from the prefix) or
+        refused (failed closed and decoded from scratch), summed over workers."""
+        if not self.cfg.token_capture.enabled:
+            return {}
+        seen: Counter[str] = Counter()
+        for tally in ray.get([w.actor.capture_metrics.remote() for w in self.workers]):
+            seen.update({k: int(v) for k, v in tally.items() if k.startswith("resume.")})
+        accepted = seen["resume.resumed"]
+        after = ("resume.resumed", "resume.finished_without_decoding", "resume.prefix_tokens")
+        refused = sum(v for k, v in seen.items() if k not in after)
+        return {"worker_resumes_accepted": accepted, "worker_resumes_refused": refused}
 
     def push_weights(self, weights_dir: str | Path, version: int | None = None) -> int:
         """Load new weights into every worker as the next weight version (or `version`, when
