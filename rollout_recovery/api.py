@@ -1,6 +1,7 @@
 """RolloutRecovery: the calls a trainer makes, built from one config.
 
-start the data plane and the workers; submit prompt groups (rollouts become `replay` rows);
+start the data plane, the workers and the environment (or restore them from a snapshot);
+submit prompt groups (the environment's finished episodes become `replay` rows);
 take a training batch (a lease, acked after the optimizer step); push new weights; notify a
 trainer checkpoint (a data-plane snapshot follows it). The shipped GRPO driver uses only this.
 """
@@ -66,7 +67,7 @@ class RolloutRecovery:
         self.ray_address = ray_address
         self.store: StagingStore | None = None
         self.workers: list[WorkerHandle] = []
-        self.env = None  # the RolloutEnvironment actor
+        self.env: ray.actor.ActorHandle | None = None  # the RolloutEnvironmentActor
         self.weight_version = 0
         self.model_dir = resolve_model_path(cfg.policy.model_path)
         # One private loop, on its own thread, for every async call: the caller's thread may
