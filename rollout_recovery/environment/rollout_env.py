@@ -259,10 +259,11 @@ class RolloutEnvironment:
         """Load the episode records of a restored snapshot (their token entries come from
         the restored store); returns how many episodes are unfinished. A record that cannot
         be restored exactly fails closed: its episode starts over, counted by reason."""
+        entries = self.sink.get_many([t["entry_id"] for rec in records for t in rec["turns"]])
         episodes = []
         for rec in records:
             try:
-                episodes.append(Episode.from_record(rec, self.sink.get))
+                episodes.append(Episode.from_record(rec, entries.get))
             except RecordError as err:
                 self.counts[f"restore_refused.{err.reason}"] += 1
                 episodes.append(Episode.restart(rec, self.tool.initial_state()))

@@ -28,6 +28,7 @@ class ConflictingEntryError(ValueError):
 class TokenSink(Protocol):
     def put(self, entry: TokenEntry) -> bool: ...  # True if written, False if already there
     def get(self, entry_id: str) -> TokenEntry | None: ...
+    def get_many(self, entry_ids: list[str]) -> dict[str, TokenEntry]: ...  # the ones found
     def mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None: ...
     def incomplete(self) -> list[tuple[str, str, str]]: ...
 
@@ -101,6 +102,10 @@ class JsonlTokenSink:
         with self._lock:
             return self._entries.get(entry_id)
 
+    def get_many(self, entry_ids: list[str]) -> dict[str, TokenEntry]:
+        with self._lock:
+            return {i: self._entries[i] for i in entry_ids if i in self._entries}
+
     def mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         with self._lock:
             self._append({"kind": "incomplete", "rollout_id": rollout_id,
@@ -159,15 +164,22 @@ class StoreTokenSink:
         return None if missing else table
 
     def get(self, entry_id: str) -> TokenEntry | None:
-        table = self._get_table(entry_id)
-        if table is None:
-            return None
-        meta = json.loads(table.column("record_json")[0].as_py())
+        return self.get_many([entry_id]).get(entry_id)
+
+    def get_many(self, entry_ids: list[str]) -> dict[str, TokenEntry]:
+        """The entries found, in one store round trip (a restore reads many)."""
+        if not entry_ids:
+            return {}
+        table, _ = self.store.get(self.partition, list(dict.fromkeys(entry_ids)))
         arrays = {
-            n: list_rows(table, n)[0].tolist()
+            n: list_rows(table, n)
             for n in ("prompt_token_ids", "generated_token_ids", "generated_logprobs")
         }
-        return read_token_entry(meta | arrays)
+        keys, records = table.column("key").to_pylist(), table.column("record_json").to_pylist()
+        return {
+            key: read_token_entry(json.loads(rec) | {n: a[i].tolist() for n, a in arrays.items()})
+            for i, (key, rec) in enumerate(zip(keys, records, strict=True))
+        }
 
     def mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         key = f"{rollout_id}/{model_call_id}/incomplete"

@@ -44,3 +44,8 @@ def test_store_sink_round_trip_idempotency_and_snapshot(make_store, tmp_path):
     again = StoreTokenSink(fresh)
     assert again.get("r1/c1/a0") == e
     assert again.incomplete() == [("r1", "c2", "worker_lost")]
+    other = _entry(model_call_id="c3", parent_call_id="c1", generated_token_ids=[9, 2],
+                   generated_logprobs=[-0.25, -0.75])  # fmt: skip
+    again.put(other)
+    found = again.get_many(["r1/c3/a0", "r1/c9/a0", "r1/c1/a0", "r1/c3/a0"])
+    assert found == {"r1/c1/a0": e, "r1/c3/a0": other}  # one round trip; missing ids left out
