@@ -6,16 +6,30 @@ default. Errors are `ConfigError`s whose one-line message names the key and says
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 TINY_MODEL_SCHEME = "tiny://"
 HUB_MODEL_SCHEME = "hf://"
+# The URI schemes pyarrow.fs.FileSystem.from_uri opens natively (pyarrow 26); `mock` is left out
+# (an in-memory test filesystem loses every checkpoint), as are the fsspec-backed `hf://` and
+# `fsspec+...://`, which need extra packages on every node.
+STORAGE_SCHEMES = ("file", "local", "s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss")
 
 
 class ConfigError(ValueError):
@@ -25,16 +39,29 @@ class ConfigError(ValueError):
         super().__init__(" ".join(message.split()))
 
 
+def _not_bool(value: object) -> object:
+    """Refuse booleans before number parsing: YAML reads true/yes/on as True, and int(True) is 1."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true/false")
+    return value
+
+
+# Numeric strings stay accepted: PyYAML reads `3e-5` (no dot) as a string, and "3" is unambiguous.
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+
+
 class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN compares false with every bound and inf never times out, so neither is a setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class GenerationConfig(_Block):
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    max_new_tokens: int = Field(64, ge=1)
-    seed: int = 0
-    top_logprobs: int = Field(0, ge=0, le=20)
+    temperature: Float = Field(1.0, ge=0.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: Int = Field(64, ge=1)
+    seed: Int = 0
+    top_logprobs: Int = Field(0, ge=0, le=20)
 
 
 class PolicyConfig(_Block):
@@ -72,31 +99,31 @@ class PolicyConfig(_Block):
 class VllmConfig(_Block):
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
-    kv_cache_memory_bytes: int | None = Field(
+    gpu_memory_utilization: Float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory_bytes: Int | None = Field(
         256 * 1024 * 1024,
         ge=1024 * 1024,
         description="Explicit KV cache size; on CPU always set it (utilization sizing drifts).",
     )
-    max_model_len: int = Field(1024, ge=16)
+    max_model_len: Int = Field(1024, ge=16)
     enforce_eager: bool = True
     flat_logprobs: bool = True
-    num_workers: int = Field(1, ge=1)
+    num_workers: Int = Field(1, ge=1)
     enable_prefix_caching: bool = False
     position_keyed_sampler: bool = Field(
         True,
         description="Register the position-keyed sampler: requests with vllm_xargs rr_seed "
         "sample at rr_temperature with noise keyed by (seed, position), so resumes reproduce.",
     )
-    worker_num_cpus: float = Field(
+    worker_num_cpus: Float = Field(
         1.0, ge=0.0, description="Ray CPUs reserved per GenerationWorker actor."
     )
-    worker_resources: dict[str, float] = Field(
+    worker_resources: dict[str, Float] = Field(
         default_factory=dict,
         description="Extra Ray resources per worker, to place workers on chosen nodes.",
     )
     host: str = "127.0.0.1"
-    startup_timeout_s: float = Field(600.0, gt=0.0)
+    startup_timeout_s: Float = Field(600.0, gt=0.0)
 
     @model_validator(mode="after")
     def _cpu_needs_explicit_kv(self) -> VllmConfig:
@@ -111,10 +138,10 @@ class VllmConfig(_Block):
 
 class TokenCaptureConfig(_Block):
     enabled: bool = False
-    control_timeout_s: float = 10.0
+    control_timeout_s: Float = 10.0
     staging_partition: str = "rollout_staging"
     terminal_partition: str = "rollout_terminal"
-    max_inventory_calls: int = Field(4096, ge=1)
+    max_inventory_calls: Int = Field(4096, ge=1)
     request_token_ids: bool = Field(
         True, description="Ask the workers for prompt and generated token ids (return_token_ids)."
     )
@@ -156,12 +183,12 @@ class RolloutRecoveryLevelConfig(_Block):
 
 
 class RolloutCheckpointingConfig(_Block):
-    snapshot_attempt_interval_s: float = 60.0
-    attempt_timeout_s: float = Field(
+    snapshot_attempt_interval_s: Float = 60.0
+    attempt_timeout_s: Float = Field(
         60.0, gt=0.0, description="A checkpoint attempt still running after this is aborted."
     )
-    keep_latest_k: int = 3
-    max_consecutive_failures: int = Field(3, ge=1)
+    keep_latest_k: Int = 3
+    max_consecutive_failures: Int = Field(3, ge=1)
     restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"
 
     @field_validator("snapshot_attempt_interval_s")
@@ -187,17 +214,30 @@ class CheckpointingConfig(_Block):
     )
     save_data_plane: bool = False
 
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _known_storage_scheme(cls, value: str) -> str:
+        """Refuse a URI pyarrow.fs cannot open now, not at the first checkpoint; no network use."""
+        scheme, sep, _ = value.partition("://")
+        if sep and scheme not in STORAGE_SCHEMES:
+            accepted = ", ".join(f"{s}://" for s in STORAGE_SCHEMES)
+            raise ValueError(
+                f"unknown storage scheme `{scheme}://`; use a local path or a URI starting "
+                f"with one of {accepted}"
+            )
+        return value
+
 
 class GrpoConfig(_Block):
-    steps: int = Field(3, ge=1)
-    prompts_per_step: int = Field(2, ge=1)
-    generations_per_prompt: int = Field(4, ge=2)
-    learning_rate: float = Field(1e-4, gt=0.0)
-    seed: int = 0
+    steps: Int = Field(3, ge=1)
+    prompts_per_step: Int = Field(2, ge=1)
+    generations_per_prompt: Int = Field(4, ge=2)
+    learning_rate: Float = Field(1e-4, gt=0.0)
+    seed: Int = 0
 
 
 class EnvironmentConfig(_Block):
-    max_turns: int = Field(
+    max_turns: Int = Field(
         1,
         ge=1,
         le=16,
@@ -256,16 +296,43 @@ class RolloutRecoveryConfig(_Block):
         return self
 
 
+def _block_model(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _unknown_key_message(path: Sequence[str]) -> str:
+    """The same words for a typo in YAML or in an override, with the closest key of its block."""
+    message = f"unknown key `{'.'.join(path)}`; remove it or check its spelling"
+    model: type[BaseModel] | None = RolloutRecoveryConfig
+    for i, part in enumerate(path):
+        if model is None:
+            break
+        if part not in model.model_fields:
+            close = difflib.get_close_matches(part, list(model.model_fields), n=1)
+            if close:
+                guess = [*path[:i], close[0], *path[i + 1 :]]
+                if not _known_key(guess):
+                    guess = guess[: i + 1]
+                message += f"; did you mean `{'.'.join(guess)}`?"
+            break
+        model = _block_model(model.model_fields[part].annotation)
+    return message
+
+
 def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            parts.append(f"unknown key `{key}`; remove it or check its spelling")
+            parts.append(_unknown_key_message([str(p) for p in e["loc"]]))
         elif e["type"] == "value_error" and isinstance(e.get("ctx", {}).get("error"), ConfigError):
             parts.append(str(e["ctx"]["error"]))
         else:
             msg = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "finite_number":
+                msg = "must be a finite number, not NaN or infinity"
             where = f"`{key}`" if key else "config"
             parts.append(f"{where}: {msg} (got {e.get('input')!r})")
     return "; ".join(parts)
@@ -279,17 +346,16 @@ def validate_config(data: dict[str, Any]) -> RolloutRecoveryConfig:
         raise ConfigError(f"invalid config: {_format_validation_error(err)}") from None
 
 
-def _known_key(path: list[str]) -> bool:
+def _known_key(path: Sequence[str]) -> bool:
     model: type[BaseModel] = RolloutRecoveryConfig
     for part in path:
         field = model.model_fields.get(part)
         if field is None:
             return False
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-        else:
+        block = _block_model(field.annotation)
+        if block is None:
             return part == path[-1]
+        model = block
     return True
 
 
@@ -304,7 +370,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             )
         path = key.split(".")
         if not _known_key(path):
-            raise ConfigError(f"bad override {item!r}: unknown key `{key}`")
+            raise ConfigError(f"bad override {item!r}: {_unknown_key_message(path)}")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
@@ -324,7 +390,11 @@ def _read_yaml(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
     if path.resolve() in seen:
-        raise ConfigError(f"config file {str(path)!r} extends itself (cycle through `extends`)")
+        cycle = [*seen[seen.index(path.resolve()) :], path.resolve()]
+        names = " -> ".join(os.path.relpath(p, cycle[0].parent) for p in cycle)
+        raise ConfigError(
+            f"config files extend each other in a cycle: {names}; remove one of these `extends`"
+        )
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:

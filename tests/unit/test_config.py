@@ -1,9 +1,14 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, get_args, get_origin
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from rollout_recovery.config import (
     ConfigError,
@@ -233,3 +238,225 @@ def test_multi_turn_episodes_need_prefix_supply():
     cfg = _load("environment.max_turns=3", "token_capture.supply_prefix_token_ids=true")
     assert cfg.environment.max_turns == 3
     assert "environment.max_turns" in _error("environment.max_turns=0")
+
+
+@pytest.mark.parametrize(
+    ("location", "scheme"),
+    [
+        ("foo://bucket/run", "foo"),
+        ("s3a://bucket/run", "s3a"),
+        ("http://host/run", "http"),
+        ("S3://bucket/run", "S3"),
+        ("runs/a://b", "runs/a"),
+    ],
+)
+def test_checkpoint_dir_refuses_unknown_scheme(location, scheme):
+    msg = _error(f"checkpointing.checkpoint_dir={location}")
+    assert "`checkpointing.checkpoint_dir`" in msg
+    assert f"unknown storage scheme `{scheme}://`" in msg
+    assert "s3://" in msg and "gs://" in msg and "local path" in msg
+
+
+@pytest.mark.parametrize(
+    "location",
+    [
+        "runs/x",
+        "~/runs/x",
+        "../runs/x",
+        "/tmp/runs/x",
+        "file:///tmp/runs/x",
+        "local:///tmp/runs/x",
+        "s3://bucket/run?endpoint_override=localhost:9000",
+        "gs://bucket/run",
+        "gcs://bucket/run",
+        "hdfs://namenode:8020/run",
+        "viewfs://cluster/run",
+        "abfs://container@account.dfs.core.windows.net/run",
+        "abfss://container@account.dfs.core.windows.net/run",
+    ],
+)
+def test_checkpoint_dir_accepts_local_paths_and_pyarrow_uris(location):
+    # Local paths stay exactly as written (not resolved): the run resolves them where it runs.
+    cfg = _load(f"checkpointing.checkpoint_dir={location}")
+    assert cfg.checkpointing.checkpoint_dir == location
+
+
+def test_refused_schemes_are_unknown_to_pyarrow_too():
+    # pyarrow.fs is the source of truth; only offline-safe schemes are opened here.
+    for uri in ("foo://bucket/run", "s3a://bucket/run", "S3://bucket/run"):
+        with pytest.raises(pa.ArrowInvalid, match="Unrecognized filesystem type"):
+            pafs.FileSystem.from_uri(uri)
+    for uri in ("file:///tmp/x", "local:///tmp/x"):
+        assert pafs.FileSystem.from_uri(uri)[1] == "/tmp/x"
+
+
+def _mentions(annotation: Any, kind: type) -> bool:
+    return annotation is kind or any(_mentions(arg, kind) for arg in get_args(annotation))
+
+
+def _number_fields(
+    model: type[BaseModel] = RolloutRecoveryConfig, prefix: str = ""
+) -> Iterator[tuple[str, type, bool]]:
+    """(dotted key, int or float, whether it is a mapping of them) for every numeric field."""
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _number_fields(annotation, f"{prefix}{name}.")
+        elif _mentions(annotation, float) or _mentions(annotation, int):
+            kind = float if _mentions(annotation, float) else int
+            yield f"{prefix}{name}", kind, get_origin(annotation) is dict
+
+
+NUMBER_FIELDS = list(_number_fields())
+FLOAT_FIELDS = [(key, is_map) for key, kind, is_map in NUMBER_FIELDS if kind is float]
+
+
+def test_field_discovery_sees_every_kind_of_number():
+    keys = {key for key, _, _ in NUMBER_FIELDS}
+    assert {
+        "grpo.steps",
+        "vllm_cfg.kv_cache_memory_bytes",
+        "vllm_cfg.worker_resources",
+        "rollout_checkpointing.attempt_timeout_s",
+        "policy.generation.seed",
+    } <= keys
+    assert ("vllm_cfg.worker_resources", True) in FLOAT_FIELDS
+
+
+@pytest.mark.parametrize("raw", [".nan", ".inf", "-.inf", "nan"])
+@pytest.mark.parametrize(("key", "is_map"), FLOAT_FIELDS, ids=[k for k, _ in FLOAT_FIELDS])
+def test_every_float_field_refuses_nan_and_inf(key, is_map, raw):
+    msg = _error(f"{key}={{GPU: {raw}}}" if is_map else f"{key}={raw}")
+    assert f"`{key}" in msg and "must be a finite number, not NaN or infinity" in msg
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "rollout_checkpointing.attempt_timeout_s=.nan",
+        "rollout_checkpointing.attempt_timeout_s=.inf",
+        "token_capture.control_timeout_s=.inf",
+        "grpo.learning_rate=.nan",
+    ],
+)
+def test_reported_nan_and_inf_cases_are_refused(override):
+    key = override.partition("=")[0]
+    assert f"`{key}`: must be a finite number, not NaN or infinity" in _error(override)
+
+
+@pytest.mark.parametrize("raw", ["true", "off"])
+@pytest.mark.parametrize(
+    ("key", "kind", "is_map"), NUMBER_FIELDS, ids=[k for k, _, _ in NUMBER_FIELDS]
+)
+def test_every_number_field_refuses_booleans(key, kind, is_map, raw):
+    msg = _error(f"{key}={{GPU: {raw}}}" if is_map else f"{key}={raw}")
+    assert f"`{key}" in msg and "must be a number, not true/false" in msg
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "grpo.steps=true",
+        "vllm_cfg.num_workers=true",
+        "vllm_cfg.worker_resources={GPU: true}",
+        "rollout_checkpointing.attempt_timeout_s=yes",
+    ],
+)
+def test_reported_boolean_cases_are_refused(override):
+    key = override.partition("=")[0]
+    assert f"`{key}" in _error(override) and "must be a number, not true/false" in _error(override)
+
+
+def test_numbers_still_load_where_numbers_are_expected():
+    cfg = _load(
+        "rollout_checkpointing.attempt_timeout_s=5",
+        "grpo.steps='3'",
+        "grpo.learning_rate=3e-5",
+        "vllm_cfg.worker_resources={GPU: 1, node_a: 0.5}",
+        "vllm_cfg.kv_cache_memory_bytes=null",
+        "vllm_cfg.device=cuda",
+    )
+    timeout = cfg.rollout_checkpointing.attempt_timeout_s
+    assert timeout == 5.0 and isinstance(timeout, float)
+    assert cfg.grpo.steps == 3 and isinstance(cfg.grpo.steps, int)
+    assert cfg.grpo.learning_rate == pytest.approx(3e-5)
+    assert cfg.vllm_cfg.worker_resources == {"GPU": 1.0, "node_a": 0.5}
+    assert cfg.vllm_cfg.kv_cache_memory_bytes is None
+
+
+def test_assignment_refuses_booleans_and_nan():
+    cfg = _load()
+    with pytest.raises(ValueError, match="not true/false"):
+        cfg.grpo.steps = True
+    with pytest.raises(ValueError, match="finite number"):
+        cfg.grpo.learning_rate = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "override", "key", "suggestion"),
+    [
+        ("vllm_cfg:\n  dtyp: x\n", "vllm_cfg.dtyp=x", "vllm_cfg.dtyp", "vllm_cfg.dtype"),
+        ("polcy:\n  served_model_name: p\n", "polcy={served_model_name: p}", "polcy", "policy"),
+        (
+            "policy:\n  generation:\n    temprature: 0.5\n",
+            "policy.generation.temprature=0.5",
+            "policy.generation.temprature",
+            "policy.generation.temperature",
+        ),
+        ("grpo:\n  zzz: 1\n", "grpo.zzz=1", "grpo.zzz", None),
+    ],
+)
+def test_unknown_key_says_the_same_with_a_suggestion_from_yaml_and_override(
+    tmp_path, yaml_text, override, key, suggestion
+):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    from_yaml = str(info.value)
+    from_override = _error(override)
+    for msg in (from_yaml, from_override):
+        assert "\n" not in msg
+        assert "remove it or check its spelling" in msg
+        assert f"unknown key `{key}" in msg
+        if suggestion is None:
+            assert "did you mean" not in msg
+        else:
+            assert f"did you mean `{suggestion}" in msg
+    # Both paths say the same thing after their own prefix.
+    assert from_yaml.partition(": ")[2] in from_override
+
+
+def test_unknown_override_key_suggests_the_whole_corrected_path():
+    msg = _error("polcy.served_model_name=p")
+    assert "did you mean `policy.served_model_name`?" in msg
+
+
+def _write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_extends_cycle_names_every_file_in_order(tmp_path):
+    a = _write(tmp_path / "a.yaml", "extends: b.yaml\n")
+    _write(tmp_path / "b.yaml", "extends: a.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(a)
+    assert str(info.value).startswith(
+        "config files extend each other in a cycle: a.yaml -> b.yaml -> a.yaml;"
+    )
+    loop = _write(tmp_path / "loop.yaml", "extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match=r"cycle: loop\.yaml -> loop\.yaml;"):
+        load_config(loop)
+
+
+def test_extends_cycle_across_folders_starts_where_it_closes(tmp_path):
+    start = _write(tmp_path / "start.yaml", "extends: a.yaml\n")
+    _write(tmp_path / "a.yaml", "extends: sub/b.yaml\n")
+    _write(tmp_path / "sub" / "b.yaml", "extends: ../a.yaml\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(start)
+    msg = str(info.value)
+    assert "cycle: a.yaml -> sub/b.yaml -> a.yaml;" in msg and "start.yaml" not in msg
+    assert "remove one of these `extends`" in msg and "\n" not in msg
