@@ -7,6 +7,7 @@ from rollout_recovery.data_plane.errors import (
     InvalidKeyError,
     SchemaMismatchError,
     SchemaVersionError,
+    SnapshotAborted,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
@@ -27,6 +28,7 @@ from rollout_recovery.data_plane.schemas import (
     table_to_terminal_rows,
     terminal_rows_to_table,
 )
+from rollout_recovery.data_plane.snapshot_io import PublishGate, verify_snapshot
 from rollout_recovery.data_plane.store import (
     DEFAULT_PARTITIONS,
     LeaseResult,
@@ -46,9 +48,11 @@ __all__ = [
     "ChunkRow",
     "InvalidKeyError",
     "LeaseResult",
+    "PublishGate",
     "ReplayRow",
     "SchemaMismatchError",
     "SchemaVersionError",
+    "SnapshotAborted",
     "SnapshotCorruptError",
     "SnapshotError",
     "SnapshotNotFoundError",
@@ -67,4 +71,5 @@ __all__ = [
     "table_to_terminal_rows",
     "terminal_rows_to_table",
     "token_digest",
+    "verify_snapshot",
 ]

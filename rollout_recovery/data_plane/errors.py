@@ -39,5 +39,10 @@ class SnapshotNotFoundError(SnapshotError):
     pass
 
 
+class SnapshotAborted(SnapshotError):
+    """The attempt was aborted (or missed its deadline) before publication; nothing was
+    published, and its unpublished directory is left for `gc`."""
+
+
 class SnapshotCorruptError(SnapshotError):
     """A snapshot is partial or a file does not match its manifest; the error names the file."""

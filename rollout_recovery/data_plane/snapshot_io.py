@@ -2,23 +2,40 @@
 
 Layout under a root (a local path or a pyarrow.fs URI such as s3://bucket/prefix):
 
-    <root>/snapshot-<seq:010d>-<id>/shard-<i>/<partition>.arrow   Arrow IPC files
-    <root>/snapshot-<seq:010d>-<id>/MANIFEST.json                 written last
+    <root>/snapshot-<seq:010d>-<id>/shard-<i>/<partition>.<k>.arrow   Arrow IPC files
+    <root>/snapshot-<seq:010d>-<id>/sidecars/<name>                   small files (a ledger)
+    <root>/snapshot-<seq:010d>-<id>/MANIFEST.json                     published last
 
-A snapshot exists only once its manifest is published (written under a temporary name, then
-moved: an atomic rename locally, an atomic single-object write on object stores). Data files
-are fsynced before that on local disks. Everything without a manifest is ignored by readers
-and removed by `gc`.
+Durability: data files and sidecars are durable before the manifest is written (fsynced on
+local disks; an object-store PUT is durable on return).
+
+Publication: a snapshot exists only once its MANIFEST.json is in place. The manifest is
+written under a temporary name, then moved into place (an atomic rename locally, a single
+object on object stores), followed by directory fsyncs locally. That move and the fsyncs run
+under the attempt's `PublishGate` lock, and only if the gate was not aborted and the attempt's
+deadline has not passed; so once `PublishGate.abort()` returns True the snapshot can never
+appear, and when it returns False it already has. Readers ignore directories without a
+manifest.
+
+Retention: a published snapshot counts only if it verifies (`verify_snapshot`: manifest
+checksum and format, every listed file's size and sha256). `gc` keeps the newest k that
+verify and deletes only directories older than the oldest one kept, plus unpublished ones
+older than the newest one kept; when none verifies it deletes nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
+import time
 import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from urllib.parse import urlsplit, urlunsplit
 
@@ -27,6 +44,8 @@ import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
 from rollout_recovery.data_plane.errors import (
+    BadInputError,
+    SnapshotAborted,
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
@@ -35,6 +54,8 @@ from rollout_recovery.data_plane.errors import (
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "rollout_recovery.snapshot/v1"
 _DIR_RE = re.compile(r"^snapshot-(\d{10})-([0-9a-f]{8})$")
+_HASH_CHUNK = 8 << 20
+log = logging.getLogger("rollout_recovery")
 
 
 class FileEntry(BaseModel):
@@ -93,6 +114,59 @@ class Manifest(BaseModel):
 
     body: ManifestBody
     sha256: str
+
+
+class PublishGate:
+    """Decides, once and thread-safely, whether one snapshot attempt publishes or is abandoned.
+
+    The writer publishes while holding the gate's lock; `abort()` takes the same lock. This
+    closes the race between a caller that gives an attempt up (a timeout) and a writer thread
+    that is still running: exactly one of them wins, and the loser learns which.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._aborted = False
+        self._published = False
+
+    def abort(self) -> bool:
+        """Forbid publication: True if nothing was (or ever will be) published, False if the
+        snapshot was already published (the caller must then treat it as published). Waits
+        for a publication in progress, which is one manifest rename."""
+        with self._lock:
+            if not self._published:
+                self._aborted = True
+            return not self._published
+
+    def check(self, what: str, deadline: float | None = None) -> None:
+        """Raise SnapshotAborted if the attempt was aborted or `deadline` (time.monotonic())
+        has passed; a missed deadline aborts the gate for good."""
+        with self._lock:
+            self._refuse_if_closed(what, deadline)
+
+    @contextmanager
+    def publishing(self, what: str, deadline: float | None = None) -> Iterator[Callable[[], None]]:
+        """Hold the gate for one publish step, or raise SnapshotAborted without running it.
+
+        The step calls the yielded function right after the move that makes the snapshot
+        visible, so a failure after that point still counts as published.
+        """
+        with self._lock:
+            if self._published:
+                raise BadInputError("a PublishGate publishes one snapshot; use one per attempt")
+            self._refuse_if_closed(what, deadline)
+            yield self._mark_published
+            self._published = True
+
+    def _mark_published(self) -> None:
+        self._published = True
+
+    def _refuse_if_closed(self, what: str, deadline: float | None) -> None:
+        if self._aborted:
+            raise SnapshotAborted(f"snapshot {what} was aborted; it was not published")
+        if deadline is not None and time.monotonic() > deadline:
+            self._aborted = True
+            raise SnapshotAborted(f"snapshot {what} missed its deadline; it was not published")
 
 
 def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -222,18 +296,32 @@ def _body_digest(body: ManifestBody) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def publish_manifest(fs: pafs.FileSystem, snapshot_dir: str, body: ManifestBody) -> Manifest:
+def publish_manifest(
+    fs: pafs.FileSystem,
+    snapshot_dir: str,
+    body: ManifestBody,
+    gate: PublishGate | None = None,
+    deadline: float | None = None,
+) -> Manifest:
+    """Publish a snapshot whose files are all durable: write the manifest under a temporary
+    name, then move it into place under `gate` (see the module docstring). The temporary
+    write stays outside the gate so that `abort()` waits for at most one move.
+
+    Raises SnapshotAborted, publishing nothing, when the gate was aborted or `deadline` passed;
+    the temporary file is invisible to readers and goes with its directory in `gc`.
+    """
     manifest = Manifest(body=body, sha256=_body_digest(body))
-    data = manifest.model_dump_json(indent=1).encode()
     tmp = join(snapshot_dir, f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:8]}")
     with fs.open_output_stream(tmp) as out:
-        out.write(data)
+        out.write(manifest.model_dump_json(indent=1).encode())
     if _is_local(fs):
         _fsync_path(tmp)
-    fs.move(tmp, join(snapshot_dir, MANIFEST_NAME))
-    if _is_local(fs):
-        _fsync_path(snapshot_dir, directory=True)
-        _fsync_path(os.path.dirname(snapshot_dir), directory=True)
+    with (gate or PublishGate()).publishing(snapshot_dir, deadline) as published:
+        fs.move(tmp, join(snapshot_dir, MANIFEST_NAME))
+        published()
+        if _is_local(fs):
+            _fsync_path(snapshot_dir, directory=True)
+            _fsync_path(os.path.dirname(snapshot_dir), directory=True)
     return manifest
 
 
@@ -261,6 +349,90 @@ def read_manifest(fs: pafs.FileSystem, snapshot_dir: str) -> Manifest:
     if _body_digest(manifest.body) != manifest.sha256:
         raise SnapshotCorruptError(f"{MANIFEST_NAME} in {snapshot_dir} fails its sha256 check")
     return manifest
+
+
+_verified: set[tuple[str, str, str]] = set()
+_verified_lock = threading.Lock()
+
+
+def _verified_key(
+    fs: pafs.FileSystem, snapshot_dir: str, manifest: Manifest
+) -> tuple[str, str, str]:
+    return (fs.type_name, snapshot_dir.rstrip("/"), manifest.sha256)
+
+
+def _file_digest(fs: pafs.FileSystem, path: str) -> tuple[str, int]:
+    """(sha256, bytes) of a file, read once: memory-mapped locally, streamed elsewhere."""
+    if _is_local(fs):
+        with pa.memory_map(path) as mm:
+            data = mm.read_buffer()
+            return hashlib.sha256(data).hexdigest(), data.size
+    hasher, size = hashlib.sha256(), 0
+    with fs.open_input_stream(path) as f:
+        while chunk := f.read(_HASH_CHUNK):
+            hasher.update(chunk)
+            size += len(chunk)
+    return hasher.hexdigest(), size
+
+
+def _check_file(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> None:
+    try:
+        sha, size = _file_digest(fs, join(snapshot_dir, entry.path))
+    except OSError as err:
+        raise SnapshotCorruptError(f"snapshot file {entry.path} cannot be read: {err}") from None
+    if size != entry.bytes:
+        raise SnapshotCorruptError(
+            f"snapshot file {entry.path} has {size} bytes, manifest says {entry.bytes}"
+        )
+    if sha != entry.sha256:
+        raise SnapshotCorruptError(f"snapshot file {entry.path} fails its sha256 check")
+
+
+def _check_sizes(fs: pafs.FileSystem, snapshot_dir: str, files: list[FileEntry]) -> None:
+    """Find a missing or truncated file from metadata alone, before reading any bytes."""
+    try:
+        infos = fs.get_file_info([join(snapshot_dir, f.path) for f in files])
+    except OSError as err:
+        raise SnapshotCorruptError(f"cannot inspect the files of {snapshot_dir}: {err}") from None
+    for entry, info in zip(files, infos, strict=True):
+        if info.type != pafs.FileType.File:
+            raise SnapshotCorruptError(f"snapshot file {entry.path} is missing")
+        if info.size != entry.bytes:
+            raise SnapshotCorruptError(
+                f"snapshot file {entry.path} has {info.size} bytes, manifest says {entry.bytes}"
+            )
+
+
+def verify_snapshot(fs: pafs.FileSystem, snapshot_dir: str, use_cache: bool = True) -> Manifest:
+    """The manifest of a snapshot that is restorable: the manifest parses and passes its format
+    and sha256 checks, and every sidecar and data file it lists exists with its size and sha256.
+
+    Raises SnapshotCorruptError naming the first bad file. Reading every byte is costly, so a
+    success is remembered in-process per (directory, manifest sha256): the manifest is read
+    again each call, the files are hashed at most once per process. `use_cache=False` hashes
+    them again (a restore reads every byte it trusts, whatever happened since).
+    """
+    manifest = read_manifest(fs, snapshot_dir)
+    key = _verified_key(fs, snapshot_dir, manifest)
+    with _verified_lock:
+        if use_cache and key in _verified:
+            return manifest
+    for sidecar in manifest.body.sidecars:
+        read_sidecar(fs, snapshot_dir, sidecar)
+    files = manifest.body.files
+    _check_sizes(fs, snapshot_dir, files)
+    workers = max(1, min(8, len(files), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(lambda entry: _check_file(fs, snapshot_dir, entry), files))
+    with _verified_lock:
+        _verified.add(key)
+    return manifest
+
+
+def _forget_verified(deleted: list[str]) -> None:
+    gone = {d.rstrip("/") for d in deleted}
+    with _verified_lock:
+        _verified.difference_update({k for k in _verified if k[1] in gone})
 
 
 def _list_snapshot_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str, bool]]:
@@ -316,20 +488,48 @@ def require_latest(root_uri: str) -> str:
     return found
 
 
+def _newest_verified(fs: pafs.FileSystem, dirs: list[tuple[int, str, bool]], k: int) -> list[int]:
+    """Indices into `dirs` of the newest k published snapshots that verify, newest first."""
+    found: list[int] = []
+    for i in range(len(dirs) - 1, -1, -1):
+        if len(found) == k:
+            break
+        _, path, published = dirs[i]
+        if not published:
+            continue
+        try:
+            verify_snapshot(fs, path)
+        except SnapshotError as err:
+            log.warning("snapshot %s does not verify; retention skips it: %s", path, err)
+            continue
+        found.append(i)
+    return found
+
+
 def gc(fs: pafs.FileSystem, root: str, keep_latest_k: int) -> list[str]:
-    """Delete published snapshots beyond the newest k, and unpublished ones older than the
-    newest published (a newer unpublished one may still be being written)."""
+    """Retention that never deletes the newest restorable snapshot; returns the deleted paths.
+
+    Keeps the newest keep_latest_k snapshots that verify. Deletes every directory older than
+    the oldest of them, and an unpublished one (no manifest) also when it is older than the
+    newest kept one: a snapshot published after it began means its attempt is over. A corrupt
+    snapshot among or after the kept ones stays (for inspection), so does a newer unpublished
+    one (it may still be being written); when no snapshot verifies nothing is deleted.
+    """
     if keep_latest_k < 1:
         raise ValueError("keep_latest_k must be >= 1")
     dirs = _list_snapshot_dirs(fs, root)
-    published = [(s, d) for s, d, ok in dirs if ok]
-    if not published:
+    kept = _newest_verified(fs, dirs, keep_latest_k)
+    if not kept:
         return []
-    keep = {d for _, d in published[-keep_latest_k:]}
-    newest_seq = published[-1][0]
-    doomed = [d for s, d, ok in dirs if (ok and d not in keep) or (not ok and s < newest_seq)]
+    oldest, newest = min(kept), max(kept)
+    doomed = [
+        d
+        for i, (_, d, published) in enumerate(dirs)
+        if i < oldest or (not published and i < newest)
+    ]
     for d in doomed:
         fs.delete_dir(d)
+    _forget_verified(doomed)
     return doomed
 
 

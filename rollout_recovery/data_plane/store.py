@@ -23,7 +23,6 @@ from rollout_recovery.data_plane.errors import (
     BatchTooLargeError,
     InvalidKeyError,
     SnapshotCorruptError,
-    SnapshotError,
     UnknownPartitionError,
 )
 from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
@@ -31,6 +30,7 @@ from rollout_recovery.data_plane.shard import StoreShard, shard_of
 from rollout_recovery.data_plane.snapshot_io import (
     Manifest,
     ManifestBody,
+    PublishGate,
     child_uri,
     gc,
     latest_uri,
@@ -40,6 +40,7 @@ from rollout_recovery.data_plane.snapshot_io import (
     read_manifest,
     read_sidecar,
     resolve,
+    verify_snapshot,
     write_sidecar,
 )
 
@@ -324,24 +325,25 @@ class StagingStore:
         meta: dict[str, str] | None = None,
         sidecars: dict[str, bytes] | None = None,
         deadline: float | None = None,
+        gate: PublishGate | None = None,
     ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
         Every put that returned before this call is in it; each shard is captured atomically.
         `sidecars` (name -> bytes, e.g. a controller ledger) are written, checksummed and listed
-        in the manifest before it is published. Past `deadline` (time.monotonic()) nothing is
-        published: the caller has given the attempt up, and the unpublished directory is
+        in the manifest before it is published. The publish step runs under `gate` (one per
+        attempt): once `gate.abort()` returned True, or past `deadline` (time.monotonic()),
+        nothing is published and SnapshotAborted is raised; the unpublished directory is
         garbage-collected later.
         """
+        gate = gate or PublishGate()
         fs, root = resolve(root_uri)
+        gate.check(f"under {root}", deadline)
         seq, path = new_snapshot_dir(fs, root)
         uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
-        timeout = self.timeout_s
-        if deadline is not None:
-            timeout = min(timeout, deadline - time.monotonic())
-            if timeout <= 0:
-                raise SnapshotError(f"snapshot {uri} missed its deadline; it was not published")
-        results = ray.get([s.snapshot.remote(uri) for s in self.shards], timeout=timeout)
+        results = ray.get(
+            [s.snapshot.remote(uri) for s in self.shards], timeout=self._timeout(deadline)
+        )
         files = [f for fs_, _ in results for f in fs_]
         leases = [le for _, ls in results for le in ls]
         side = [write_sidecar(fs, path, n, d) for n, d in (sidecars or {}).items()]
@@ -357,15 +359,27 @@ class StagingStore:
             meta=dict(meta or {}),
             sidecars=side,
         )
-        if deadline is not None and time.monotonic() > deadline:
-            raise SnapshotError(f"snapshot {uri} missed its deadline; it was not published")
-        return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body))
+        return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body, gate, deadline))
+
+    def _timeout(self, deadline: float | None) -> float | None:
+        """The shard-call timeout: the store's, shortened to what is left of the deadline."""
+        if deadline is None:
+            return self.timeout_s
+        left = max(0.0, deadline - time.monotonic())
+        return left if self.timeout_s is None else min(self.timeout_s, left)
 
     @staticmethod
     def manifest(snapshot_uri: str) -> Manifest:
         """The verified manifest of a published snapshot."""
         fs, path = resolve(snapshot_uri)
         return read_manifest(fs, path)
+
+    @staticmethod
+    def verify(snapshot_uri: str, use_cache: bool = True) -> Manifest:
+        """The manifest of a snapshot whose every file matches it (hashed once per process,
+        unless `use_cache=False`)."""
+        fs, path = resolve(snapshot_uri)
+        return verify_snapshot(fs, path, use_cache)
 
     @staticmethod
     def read_sidecar(snapshot_uri: str, name: str) -> bytes:
@@ -418,8 +432,18 @@ class StagingStore:
         meta: dict[str, str] | None = None,
         sidecars: dict[str, bytes] | None = None,
         deadline: float | None = None,
+        gate: PublishGate | None = None,
     ) -> SnapshotResult:
-        return await asyncio.to_thread(self.snapshot, root_uri, meta, sidecars, deadline)
+        """`snapshot` in a thread. Cancelling this coroutine (e.g. `asyncio.wait_for` timing
+        out) aborts the publication, since the thread itself cannot be stopped; a caller that
+        must know whether the snapshot was published anyway passes a gate and calls
+        `gate.abort()`."""
+        gate = gate or PublishGate()
+        try:
+            return await asyncio.to_thread(self.snapshot, root_uri, meta, sidecars, deadline, gate)
+        except asyncio.CancelledError:
+            gate.abort()
+            raise
 
     async def arestore(self, snapshot_uri: str) -> Manifest:
         return await asyncio.to_thread(self.restore, snapshot_uri)
@@ -431,6 +455,7 @@ class StagingStore:
 
     @staticmethod
     def gc(root_uri: str, keep_latest_k: int) -> list[str]:
-        """Keep the newest keep_latest_k published snapshots; drop older and abandoned ones."""
+        """Keep the newest keep_latest_k snapshots that verify; delete only directories older
+        than the oldest of them (see snapshot_io.gc)."""
         fs, root = resolve(root_uri)
         return gc(fs, root, keep_latest_k)
