@@ -2,7 +2,9 @@
 
 A flat digest names a whole token sequence; a chained digest lets a prefix staged as several
 chunks be verified chunk by chunk: chunk n's digest covers chunk n-1's digest plus its own
-delta, so a missing, reordered or altered chunk changes every digest after it.
+delta, so a missing, reordered or altered chunk changes every digest after it. The chunk that
+ends a finished call is sealed with how it finished (`finish_digest`), so a forged or dropped
+finish record fails the chain like a changed token.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 DIGEST_BYTES = 32
 TOKENS_DOMAIN = b"rollout_recovery/tokens/v1\x00"
 CHUNK_DOMAIN = b"rollout_recovery/chunk/v1\x00"
+FINISH_DOMAIN = b"rollout_recovery/finish/v1\x00"
 CHAIN_ROOT = bytes(DIGEST_BYTES)  # the "previous digest" of chunk 0
 
 
@@ -57,3 +60,23 @@ def chain_digests(deltas) -> list[bytes]:
         prev = chain_digest(prev, delta)
         out.append(prev)
     return out
+
+
+def finish_digest(chain: bytes, finish_reason: str, stop_reason_json: str | None) -> bytes:
+    """Seal a chunk's chain digest with its call's finish record:
+    sha256(domain ‖ chain ‖ u64le(len) ‖ reason ‖ u64le(len) ‖ stop reason json, or u64 max
+    for none)."""
+    if len(chain) != DIGEST_BYTES:
+        raise ValueError(f"chain digest must be {DIGEST_BYTES} bytes, got {len(chain)}")
+    h = hashlib.sha256(FINISH_DOMAIN)
+    h.update(chain)
+    reason = finish_reason.encode()
+    h.update(struct.pack("<Q", len(reason)))
+    h.update(reason)
+    if stop_reason_json is None:
+        h.update(struct.pack("<Q", 2**64 - 1))
+    else:
+        stop = stop_reason_json.encode()
+        h.update(struct.pack("<Q", len(stop)))
+        h.update(stop)
+    return h.digest()

@@ -3,7 +3,11 @@
 Token arrays are `list<int32>` / `list<float32>` columns. Rows are built from numpy arrays by
 concatenation and read back as numpy views over the column buffers, so no path creates a
 Python object per token. Every schema carries its row kind and `schema_version` in its
-metadata; a reader refuses rows newer than it understands.
+metadata; a reader refuses rows newer than it understands, and upgrades older rows by adding
+the nullable columns later versions introduced (as nulls).
+
+Logprobs columns are nullable: a row whose call had no sampled logprobs carries null, never
+zeros that a trainer would take for real values.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ def _schema(kind: str, version: int, fields: list[pa.Field]) -> pa.Schema:
     return pa.schema([pa.field("key", pa.string(), nullable=False), *fields], metadata=meta)
 
 
+# v2: nullable logprobs; finish_reason / stop_reason_json on the chunk that ends a finished
+# call (its digest seals them, see digest.finish_digest).
 CHUNK_ROW_SCHEMA = _schema(
     "chunk_row",
-    1,
+    2,
     [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("model_call_id", pa.string(), nullable=False),
@@ -40,25 +46,28 @@ CHUNK_ROW_SCHEMA = _schema(
         pa.field("chunk_seq", pa.int32(), nullable=False),
         pa.field("prompt_token_ids", _TOKENS),  # only in chunk 0
         pa.field("token_ids", _TOKENS, nullable=False),
-        pa.field("logprobs", _LOGPROBS, nullable=False),
+        pa.field("logprobs", _LOGPROBS),  # null: the call had no sampled logprobs
         pa.field("weight_version", pa.int64(), nullable=False),
         pa.field("prev_len", pa.int32(), nullable=False),
         pa.field("delta_len", pa.int32(), nullable=False),
         pa.field("cum_len", pa.int32(), nullable=False),
         pa.field("digest", _DIGEST, nullable=False),
+        pa.field("finish_reason", pa.string()),  # set only on a finished call's last chunk
+        pa.field("stop_reason_json", pa.string()),  # vLLM's stop_reason (token id or string)
     ],
 )
 
+# v2: nullable logprobs.
 TERMINAL_ROW_SCHEMA = _schema(
     "terminal_row",
-    1,
+    2,
     [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("model_call_id", pa.string(), nullable=False),
         pa.field("attempt", pa.int32(), nullable=False),
         pa.field("prompt_token_ids", _TOKENS, nullable=False),
         pa.field("token_ids", _TOKENS, nullable=False),
-        pa.field("logprobs", _LOGPROBS, nullable=False),
+        pa.field("logprobs", _LOGPROBS),
         pa.field("loss_mask", _MASK, nullable=False),
         pa.field("finish_reason", pa.string(), nullable=False),
         pa.field("weight_versions", _SPANS, nullable=False),
@@ -66,9 +75,10 @@ TERMINAL_ROW_SCHEMA = _schema(
     ],
 )
 
+# v2: nullable logprobs (training refuses a row without them).
 REPLAY_ROW_SCHEMA = _schema(
     "replay_row",
-    1,
+    2,
     [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("group_id", pa.string(), nullable=False),
@@ -76,7 +86,7 @@ REPLAY_ROW_SCHEMA = _schema(
         pa.field("prompt_len", pa.int32(), nullable=False),
         pa.field("token_ids", _TOKENS, nullable=False),
         pa.field("loss_mask", _MASK, nullable=False),
-        pa.field("logprobs", _LOGPROBS, nullable=False),
+        pa.field("logprobs", _LOGPROBS),
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("weight_version_min", pa.int64(), nullable=False),
         pa.field("weight_version_max", pa.int64(), nullable=False),
@@ -128,10 +138,30 @@ def check_version(kind: str, version: int | None, where: str) -> None:
         )
 
 
+# Columns added after version 1, per row kind: rows of an older version get them as nulls.
+ADDED_COLUMNS: dict[str, dict[str, int]] = {
+    "chunk_row": {"finish_reason": 2, "stop_reason_json": 2},
+}
+
+
+def _upgrade(table: pa.Table, expected: pa.Schema, kind: str | None) -> pa.Table:
+    """Add the nullable columns introduced after the table's schema version, as nulls."""
+    version = schema_version(table.schema)
+    added = ADDED_COLUMNS.get(kind or "", {})
+    if version is None or not added:
+        return table
+    for name, since in added.items():
+        field = expected.field(name)
+        if version < since and table.schema.get_field_index(name) < 0 and field.nullable:
+            table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table
+
+
 def conform(table: pa.Table | pa.RecordBatch, expected: pa.Schema, where: str) -> pa.Table:
     """Check a batch against a partition's schema; returns it with the canonical schema.
 
-    Names and types must match exactly (no silent casts that could change token values).
+    Names and types must match exactly (no silent casts that could change token values); rows
+    of an older schema version are upgraded with nulls for the columns added since.
     """
     if isinstance(table, pa.RecordBatch):
         table = pa.Table.from_batches([table])
@@ -143,6 +173,7 @@ def conform(table: pa.Table | pa.RecordBatch, expected: pa.Schema, where: str) -
         raise SchemaMismatchError(f"{where}: rows are {got_kind}, this partition holds {kind}")
     if kind is not None:
         check_version(kind, schema_version(table.schema), where)
+        table = _upgrade(table, expected, kind)
     got = {f.name: f for f in table.schema}
     missing = [f.name for f in expected if f.name not in got]
     extra = [n for n in got if expected.get_field_index(n) < 0]
@@ -217,11 +248,13 @@ class ChunkRow:
     attempt: int
     chunk_seq: int
     token_ids: np.ndarray
-    logprobs: np.ndarray
+    logprobs: np.ndarray | None  # None: the call had no sampled logprobs
     weight_version: int
     prev_len: int
     digest: bytes
     prompt_token_ids: np.ndarray | None = None
+    finish_reason: str | None = None  # the call finished with this chunk (a terminal cut)
+    stop_reason_json: str | None = None
 
     @property
     def delta_len(self) -> int:
@@ -242,7 +275,7 @@ class TerminalRow:
     attempt: int
     prompt_token_ids: np.ndarray
     token_ids: np.ndarray
-    logprobs: np.ndarray
+    logprobs: np.ndarray | None
     loss_mask: np.ndarray
     finish_reason: str
     weight_versions: list[tuple[int, int, int]]
@@ -260,7 +293,7 @@ class ReplayRow:
     prompt_len: int
     token_ids: np.ndarray
     loss_mask: np.ndarray
-    logprobs: np.ndarray
+    logprobs: np.ndarray | None  # None: no generation logprobs (training refuses the row)
     reward: float
     weight_version_min: int
     weight_version_max: int
@@ -276,12 +309,14 @@ def chunk_rows_to_table(rows: list[ChunkRow]) -> pa.Table:
             pa.array([r.chunk_seq for r in rows], pa.int32()),
             list_array([r.prompt_token_ids for r in rows], "int32", nullable_rows=True),
             list_array([r.token_ids for r in rows], "int32"),
-            list_array([r.logprobs for r in rows], "float32"),
+            list_array([r.logprobs for r in rows], "float32", nullable_rows=True),
             pa.array([r.weight_version for r in rows], pa.int64()),
             pa.array([r.prev_len for r in rows], pa.int32()),
             pa.array([r.delta_len for r in rows], pa.int32()),
             pa.array([r.cum_len for r in rows], pa.int32()),
             pa.array([r.digest for r in rows], _DIGEST),
+            pa.array([r.finish_reason for r in rows], pa.string()),
+            pa.array([r.stop_reason_json for r in rows], pa.string()),
         ],
         schema=CHUNK_ROW_SCHEMA,
     )
@@ -291,7 +326,7 @@ def table_to_chunk_rows(table: pa.Table) -> list[ChunkRow]:
     table = conform(table, CHUNK_ROW_SCHEMA, "chunk rows")
     cols = {n: table.column(n).to_pylist() for n in _SCALARS_CHUNK}
     prompts = _nullable_list_rows(table, "prompt_token_ids")
-    toks, lps = list_rows(table, "token_ids"), list_rows(table, "logprobs")
+    toks, lps = list_rows(table, "token_ids"), _nullable_list_rows(table, "logprobs")
     return [
         ChunkRow(
             key=cols["key"][i],
@@ -305,6 +340,8 @@ def table_to_chunk_rows(table: pa.Table) -> list[ChunkRow]:
             prev_len=cols["prev_len"][i],
             digest=cols["digest"][i],
             prompt_token_ids=prompts[i],
+            finish_reason=cols["finish_reason"][i],
+            stop_reason_json=cols["stop_reason_json"][i],
         )
         for i in range(table.num_rows)
     ]
@@ -319,6 +356,8 @@ _SCALARS_CHUNK = (
     "weight_version",
     "prev_len",
     "digest",
+    "finish_reason",
+    "stop_reason_json",
 )
 
 
@@ -337,7 +376,7 @@ def terminal_rows_to_table(rows: list[TerminalRow]) -> pa.Table:
             pa.array([r.attempt for r in rows], pa.int32()),
             list_array([r.prompt_token_ids for r in rows], "int32"),
             list_array([r.token_ids for r in rows], "int32"),
-            list_array([r.logprobs for r in rows], "float32"),
+            list_array([r.logprobs for r in rows], "float32", nullable_rows=True),
             list_array([r.loss_mask for r in rows], "int8"),
             pa.array([r.finish_reason for r in rows], pa.string()),
             pa.array(
@@ -360,9 +399,8 @@ def table_to_terminal_rows(table: pa.Table) -> list[TerminalRow]:
         for n in ("key", "rollout_id", "model_call_id", "attempt", "finish_reason", "digest")
     }
     spans = table.column("weight_versions").to_pylist()
-    lists = {
-        n: list_rows(table, n) for n in ("prompt_token_ids", "token_ids", "logprobs", "loss_mask")
-    }
+    lists = {n: list_rows(table, n) for n in ("prompt_token_ids", "token_ids", "loss_mask")}
+    lists["logprobs"] = _nullable_list_rows(table, "logprobs")
     return [
         TerminalRow(
             key=sc["key"][i],
@@ -399,7 +437,8 @@ def replay_rows_to_table(rows: list[ReplayRow]) -> pa.Table:
     for f in REPLAY_ROW_SCHEMA:
         if f.name in ("token_ids", "loss_mask", "logprobs"):
             dtype = {"token_ids": "int32", "loss_mask": "int8", "logprobs": "float32"}[f.name]
-            arrays.append(list_array([getattr(r, f.name) for r in rows], dtype))
+            values = [getattr(r, f.name) for r in rows]
+            arrays.append(list_array(values, dtype, nullable_rows=f.name == "logprobs"))
         else:
             arrays.append(pa.array([getattr(r, f.name) for r in rows], types[f.name]))
     return pa.Table.from_arrays(arrays, schema=REPLAY_ROW_SCHEMA)
@@ -408,7 +447,8 @@ def replay_rows_to_table(rows: list[ReplayRow]) -> pa.Table:
 def table_to_replay_rows(table: pa.Table) -> list[ReplayRow]:
     table = conform(table, REPLAY_ROW_SCHEMA, "replay rows")
     sc = {n: table.column(n).to_pylist() for n in _REPLAY_SCALARS}
-    lists = {n: list_rows(table, n) for n in ("token_ids", "loss_mask", "logprobs")}
+    lists = {n: list_rows(table, n) for n in ("token_ids", "loss_mask")}
+    lists["logprobs"] = _nullable_list_rows(table, "logprobs")
     return [
         ReplayRow(
             **{n: sc[n][i] for n in _REPLAY_SCALARS},

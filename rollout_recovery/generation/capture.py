@@ -13,6 +13,8 @@ the GIL (the lock-free reads of append-only lists rely on it).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 import sys
 import threading
@@ -49,6 +51,15 @@ class CallIdentity(NamedTuple):
     def terminal_key(self) -> str:
         return f"{self.key_prefix()}/terminal"
 
+    @classmethod
+    def of_chunk_key(cls, key: str) -> CallIdentity | None:
+        """The call attempt a chunk key belongs to (`rollout/call/a<attempt>/c<seq>`), or None
+        for a key of another shape."""
+        parts = key.split("/")
+        if len(parts) != 4 or not parts[2][1:].isdigit() or not parts[3].startswith("c"):
+            return None
+        return cls(parts[0], parts[1], int(parts[2][1:]))
+
 
 def check_id(name: str, value: Any) -> str:
     if not isinstance(value, str) or not ID_RE.fullmatch(value) or len(value) > 128:
@@ -61,7 +72,7 @@ def identity_from_extra_args(extra: dict | None) -> CallIdentity | None:
     if not extra or XARG_ROLLOUT not in extra:
         return None
     attempt = extra.get(XARG_ATTEMPT, 0)
-    if not isinstance(attempt, int) or attempt < 0:
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
         raise ValueError(f"{XARG_ATTEMPT} must be a non-negative integer (got {attempt!r})")
     return CallIdentity(
         check_id(XARG_ROLLOUT, extra[XARG_ROLLOUT]),
@@ -105,7 +116,20 @@ class CapturedCall:
     weight_versions: list[int] = field(default_factory=list)  # per staged chunk
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string
+    finish_staged: bool = False  # a chunk sealed with the finish record is durable
     terminal_staged: bool = False
+    # Deleting the rows of a cut that missed its deadline: the next cut of this call reuses
+    # their keys, so it must not stage until this is done.
+    cleanup: asyncio.Future | None = None
+
+    def finish_record(self) -> tuple[str, str | None] | None:
+        """(finish_reason, stop_reason as JSON) once the call finished, else None. Read it
+        under the capture lock together with `progress()`: both then describe one moment."""
+        if not self.finished:
+            return None
+        stop = None if self.stop_reason is None else json.dumps(self.stop_reason)
+        return self.finish_reason or "stop", stop
 
     def num_generated(self) -> int:
         return self.state.detokenizer.num_output_tokens()
@@ -121,11 +145,14 @@ class CapturedCall:
         ids = self.state.detokenizer.output_token_ids if ids is None else ids
         return np.asarray(ids[start:end], dtype=np.int32)
 
-    def sampled_logprobs(self, start: int, end: int) -> np.ndarray:
-        """Sampled-token logprobs of positions [start, end); append-only, read without lock."""
-        lp = self.state.logprobs_processor.logprobs
-        if lp is None:
-            return np.zeros(end - start, np.float32)
+    def sampled_logprobs(self, start: int, end: int) -> np.ndarray | None:
+        """Sampled-token logprobs of positions [start, end), or None when the call has none
+        (never zeros: a trainer would take them for real values). Append-only, read without
+        the lock."""
+        processor = self.state.logprobs_processor
+        lp = processor.logprobs if processor is not None else None
+        if lp is None or len(lp) < end:
+            return None
         if hasattr(lp, "start_indices"):  # FlatLogprobs: sampled entry first at each position
             starts = lp.start_indices
             if len(lp.logprobs) == len(starts):  # logprobs=0: one entry per position
@@ -236,14 +263,14 @@ class TokenCapture:
                 continue
             del self.by_request[eco.request_id]
             final = getattr(call.state.queue, "output", None) if call.state.queue else None
-            reason = None
+            reason, stop = None, eco.stop_reason
             if final is not None and getattr(final, "outputs", None):
-                reason = final.outputs[0].finish_reason
+                reason, stop = final.outputs[0].finish_reason, final.outputs[0].stop_reason
             reason = reason or (str(eco.finish_reason) if eco.finish_reason else None)
             if reason == "abort":
                 self.calls.pop(call.identity, None)
                 continue
-            call.finished, call.finish_reason = True, reason
+            call.finished, call.finish_reason, call.stop_reason = True, reason, stop
             self.on_finished(call)
 
     def _sweep_aborted(self) -> None:

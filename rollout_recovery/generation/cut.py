@@ -7,6 +7,11 @@ one chunk per call, chained on the call's previous chunk, and are put into the S
 bounded batches before the receipt says `durable_prefix`.
 A cut never fails as a whole: each call is either durable or a `durable_failure` with a named
 reason, and a call not reached by the deadline is `control_deadline` with nothing left behind.
+
+A call that had already finished when its progress was read is cut as `terminal_completion`:
+its last chunk carries the finish record (finish reason, stop reason), sealed into the chained
+digest, so a resume answers it without decoding. The label, the token count and the finish
+record are all read in the same locked moment.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ import asyncio
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from rollout_recovery.data_plane.digest import chain_digest, token_digest
+from rollout_recovery.data_plane.digest import chain_digest, finish_digest, token_digest
 from rollout_recovery.data_plane.schemas import (
     ChunkRow,
     TerminalRow,
@@ -42,7 +48,7 @@ class CallRef(BaseModel):
 
     rollout_id: str
     model_call_id: str
-    attempt: int = Field(0, ge=0)
+    attempt: StrictInt = Field(0, ge=0)
 
     @field_validator("rollout_id", "model_call_id")
     @classmethod
@@ -79,6 +85,7 @@ class CallReceipt(BaseModel):
     prefix_token_count: int = 0
     prefix_digest: str | None = None
     effective_output_limit: int | None = None
+    finish_reason: str | None = None  # terminal_completion: how the call finished
     reason: str | None = None
 
 
@@ -100,16 +107,31 @@ def _failure(ref: CallRef, reason: str) -> CallReceipt:
     return CallReceipt(**ref.model_dump(), disposition="durable_failure", reason=reason)
 
 
-def _success(ref: CallRef, call: CapturedCall) -> CallReceipt:
+def _success(ref: CallRef, call: CapturedCall, finish: tuple[str, str | None] | None):
+    """The receipt of a durable cut; `finish` is what the cut read with its token count."""
     return CallReceipt(
         **ref.model_dump(),
         disposition="durable_prefix",
-        cut_kind="terminal_completion" if call.finished else "active_prefix",
+        cut_kind="terminal_completion" if finish is not None else "active_prefix",
         staging_keys=list(call.chunk_keys),
         prefix_token_count=call.staged_tokens,
         prefix_digest=call.chain_digest.hex(),
         effective_output_limit=call.max_tokens,
+        finish_reason=finish[0] if finish is not None else None,
     )
+
+
+@dataclass
+class _Plan:
+    """One call of a cut, as read under the capture lock: its token count, the generated-ids
+    list (its first `count` entries never change) and, if it had finished, its finish record."""
+
+    index: int
+    ref: CallRef
+    call: CapturedCall
+    count: int
+    ids: list[int]
+    finish: tuple[str, str | None] | None
 
 
 def _version_spans(call: CapturedCall, n: int) -> list[tuple[int, int, int]]:
@@ -173,7 +195,7 @@ class CutService:
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         results: dict[int, CallReceipt] = {}
-        plans: list[tuple[int, CallRef, CapturedCall, int, int, list[int]]] = []
+        plans: list[_Plan] = []
         w0 = time.perf_counter()
         with self.capture.lock:
             w1 = time.perf_counter()
@@ -188,62 +210,55 @@ class CutService:
                     results[i] = _failure(ref, "already_terminal")
                 else:
                     n, ids = call.progress()
-                    plans.append((i, ref, call, call.staged_tokens, n, ids))
+                    plans.append(_Plan(i, ref, call, n, ids, call.finish_record()))
             w2 = time.perf_counter()
         hold_us = (w2 - w1) * 1e6
         self.metrics.lock((w1 - w0) * 1e6, hold_us)
+        await self._await_cleanups(plans, deadline)
 
-        rows: list[tuple[int, CallRef, CapturedCall, ChunkRow]] = []
-        for i, ref, call, start, n, all_ids in plans:
-            ids = call.generated_ids(start, n, all_ids)  # outside the lock: a stable prefix
-            if n == 0:
-                results[i] = _failure(ref, "zero_generated_tokens")
-            elif n == start:
-                results[i] = _success(ref, call)  # nothing new: reuse the staged keys
+        rows: list[tuple[_Plan, ChunkRow]] = []
+        for p in plans:
+            call = p.call
+            if call.cleanup is not None and not call.cleanup.done():
+                results[p.index] = _failure(p.ref, "cleanup_pending")
+            elif p.count == 0:
+                results[p.index] = _failure(p.ref, "zero_generated_tokens")
+            elif p.count == call.staged_tokens and (p.finish is None or call.finish_staged):
+                results[p.index] = _success(p.ref, call, p.finish)  # nothing new: same keys
             else:
-                seq = len(call.chunk_keys)
-                row = ChunkRow(
-                    key=call.identity.chunk_key(seq),
-                    rollout_id=call.identity.rollout_id,
-                    model_call_id=call.identity.model_call_id,
-                    attempt=call.identity.attempt,
-                    chunk_seq=seq,
-                    token_ids=ids,
-                    logprobs=call.sampled_logprobs(start, n),
-                    weight_version=self.capture.weight_version,
-                    prev_len=start,
-                    digest=chain_digest(call.chain_digest, ids),
-                    prompt_token_ids=call.prompt_token_ids if seq == 0 else None,
-                )
-                rows.append((i, ref, call, row))
+                rows.append((p, self._chunk(call, p)))
 
         staged_rows = staged_tokens = 0
         for batch in self._batches(rows):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                for i, ref, _, _ in batch:
-                    results[i] = _failure(ref, "control_deadline")
+                for p, _ in batch:
+                    results[p.index] = _failure(p.ref, "control_deadline")
                 continue
-            table = chunk_rows_to_table([r for *_, r in batch])
+            table = chunk_rows_to_table([r for _, r in batch])
             put = asyncio.ensure_future(self.store.aput(self.partition, table))
             try:
                 await asyncio.wait_for(asyncio.shield(put), remaining)
             except TimeoutError:
-                # The put may still land: once it settles, remove what it wrote.
-                self._spawn(self._discard([r.key for *_, r in batch], after=put))
-                for i, ref, _, _ in batch:
-                    results[i] = _failure(ref, "control_deadline")
+                # The put may still land: once it settles, remove what it wrote. Until then
+                # these calls are not cut again (the next cut would reuse the keys).
+                cleanup = self._spawn(self._discard([r.key for _, r in batch], after=put))
+                for p, _ in batch:
+                    p.call.cleanup = cleanup
+                    results[p.index] = _failure(p.ref, "control_deadline")
                 continue
             except Exception as err:
-                for i, ref, _, _ in batch:
-                    results[i] = _failure(ref, f"staging_error: {type(err).__name__}")
+                for p, _ in batch:
+                    results[p.index] = _failure(p.ref, f"staging_error: {type(err).__name__}")
                 continue
-            for i, ref, call, row in batch:
+            for p, row in batch:
+                call = p.call
                 call.staged_tokens = row.cum_len
                 call.chain_digest = row.digest
                 call.chunk_keys.append(row.key)
                 call.weight_versions.append(row.weight_version)
-                results[i] = _success(ref, call)
+                call.finish_staged = row.finish_reason is not None
+                results[p.index] = _success(p.ref, call, p.finish)
                 staged_rows += 1
                 staged_tokens += row.delta_len
         receipts = [results[i] for i in range(len(inventory.calls))]
@@ -259,11 +274,43 @@ class CutService:
             elapsed_s=time.monotonic() - t0,
         )
 
-    def _batches(self, rows: list):
+    def _chunk(self, call: CapturedCall, p: _Plan) -> ChunkRow:
+        """The next chained chunk of a call: its tokens past what is staged (copied outside
+        the lock: a stable prefix), sealed with the finish record when the call had finished."""
+        start, seq = call.staged_tokens, len(call.chunk_keys)
+        ids = call.generated_ids(start, p.count, p.ids)
+        digest = chain_digest(call.chain_digest, ids)
+        reason, stop = p.finish if p.finish is not None else (None, None)
+        if reason is not None:
+            digest = finish_digest(digest, reason, stop)
+        return ChunkRow(
+            key=call.identity.chunk_key(seq),
+            rollout_id=call.identity.rollout_id,
+            model_call_id=call.identity.model_call_id,
+            attempt=call.identity.attempt,
+            chunk_seq=seq,
+            token_ids=ids,
+            logprobs=call.sampled_logprobs(start, p.count),
+            weight_version=self.capture.weight_version,
+            prev_len=start,
+            digest=digest,
+            prompt_token_ids=call.prompt_token_ids if seq == 0 else None,
+            finish_reason=reason,
+            stop_reason_json=stop,
+        )
+
+    async def _await_cleanups(self, plans: list[_Plan], deadline: float) -> None:
+        """Let the deletion of a late, timed-out put finish before its keys are reused."""
+        pending = {p.call.cleanup for p in plans if p.call.cleanup is not None}
+        pending = {f for f in pending if not f.done()}
+        if pending:
+            await asyncio.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+
+    def _batches(self, rows: list[tuple[_Plan, ChunkRow]]):
         batch: list = []
         tokens = 0
         for item in rows:
-            n = item[3].delta_len
+            n = item[1].delta_len
             if batch and (len(batch) >= self.batch_rows or tokens + n > self.batch_tokens):
                 yield batch
                 batch, tokens = [], 0
@@ -280,10 +327,27 @@ class CutService:
         except Exception:
             self.metrics.tally["discard_errors"] += 1
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
+
+    def retire(self, keys: list[str]) -> None:
+        """Delete an earlier attempt's chunk rows once a resume has answered the call without
+        decoding (no captured call owns them). Like every chunk delete, it waits for the fence."""
+        if keys:
+            self._spawn(self._retire(list(keys)))
+
+    async def _retire(self, keys: list[str]) -> None:
+        while True:
+            await self.fence.wait_released()
+            async with self._cut_lock:
+                if self.fence.held:
+                    continue
+                await self._discard(keys)
+                self.metrics.count("retired_chunk_rows", len(keys))
+                return
 
     # ------------------------------------------------------------------ terminal rows
 

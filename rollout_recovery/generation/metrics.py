@@ -49,6 +49,14 @@ class WorkerMetrics:
         self.deferred_deletes = Counter(
             "rollout_recovery_deferred_deletes", "Chunk deletes that waited for a fence"
         )
+        self.retired_rows = Counter(
+            "rollout_recovery_retired_chunk_rows",
+            "Earlier attempts' chunk rows deleted after a resume answered without decoding",
+        )
+        self.resume_decoded = Counter(
+            "rollout_recovery_resume_decoded_tokens",
+            "Tokens the engine decoded for resumed calls (their tails)",
+        )
 
     def cut(self, disposition: str, reason: str | None) -> None:
         self.cuts.labels(disposition, reason or "").inc()
@@ -71,7 +79,12 @@ class WorkerMetrics:
         self.tally["lock_hold_us_max"] = max(self.tally["lock_hold_us_max"], int(hold_us))
 
     def count(self, name: str, n: int = 1) -> None:
-        series = {"terminal_rows": self.terminal_rows, "deferred_deletes": self.deferred_deletes}
+        series = {
+            "terminal_rows": self.terminal_rows,
+            "deferred_deletes": self.deferred_deletes,
+            "retired_chunk_rows": self.retired_rows,
+            "resume.decoded_tokens": self.resume_decoded,
+        }
         series[name].inc(n)
         self.tally[name] += n
 

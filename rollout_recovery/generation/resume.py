@@ -9,20 +9,28 @@ prefix ids (never re-rendered), max/min tokens shrink by the prefix length, and 
 creates the request's state its detokenizer is replaced by one primed on the original prompt
 with the prefix replayed, and the prefix's logprobs are prefilled. Text that ends inside a
 multi-byte character, and stop strings that span the cut, then come out exactly as without
-the crash. A prefix that already finished is answered without decoding.
+the crash.
+
+A prefix that already finished is answered without decoding: from the finish record its last
+chunk carries (a cut of a finished call), or, for a prefix without one, from the call's own
+stop conditions (stop token, EOS, stop string, length). A prefix that runs past one of its stop
+conditions cannot have come from this call and is refused (`prefix_past_stop`). Refusals are
+decided before anything is counted as resumed; the call is then decoded from scratch.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest
+from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest, finish_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
 from rollout_recovery.generation.capture import CallIdentity, TokenCapture
 from rollout_recovery.generation.metrics import WorkerMetrics
@@ -41,13 +49,19 @@ class ResumeRefused(Exception):
         self.reason = reason
 
 
+FINISH_REASONS = ("stop", "length")
+
+
 @dataclass
 class Prefix:
     prompt_ids: list[int]
     ids: np.ndarray
-    logprobs: np.ndarray
+    logprobs: np.ndarray | None  # None when a chunk was staged without logprobs
     weight_version: int
     keys: list[str] = field(default_factory=list)  # the earlier attempt's chunk rows
+    finish: tuple[str, Any] | None = None  # (finish_reason, stop_reason) recorded at the cut
+    done: tuple[str, Any] | None = None  # the prefix already ended the call: answer it
+    logit_bias: dict[int, float] | None = None  # the frequency penalty's emulation
 
 
 def validate_chunks(
@@ -69,9 +83,14 @@ def validate_chunks(
             raise ResumeRefused("foreign_chunk", f"{row.key} belongs to another call or attempt")
         if row.chunk_seq != seq:
             raise ResumeRefused("chunk_order", f"{row.key} has chunk_seq {row.chunk_seq}")
-        if row.prev_len != prev or len(row.logprobs) != row.delta_len:
+        lp_count = row.delta_len if row.logprobs is None else len(row.logprobs)
+        if row.prev_len != prev or lp_count != row.delta_len:
             raise ResumeRefused("chunk_counts", f"{row.key} does not continue at {prev}")
         digest = chain_digest(digest, row.token_ids)
+        if row.finish_reason is not None:
+            if seq != len(rows) - 1:
+                raise ResumeRefused("chunk_order", f"{row.key} ends the call but is not last")
+            digest = finish_digest(digest, row.finish_reason, row.stop_reason_json)
         if digest != row.digest:
             raise ResumeRefused("digest_mismatch", f"{row.key} fails its chained digest")
         prev += row.delta_len
@@ -84,11 +103,23 @@ def validate_chunks(
         raise ResumeRefused("digest_mismatch", "final digest differs from the continuation's")
     if rows[0].prompt_token_ids is None or rows[0].prompt_token_ids.tolist() != list(prompt_ids):
         raise ResumeRefused("prompt_mismatch", "the request's prompt is not the staged prompt")
+    last = rows[-1]
+    finish = None
+    if last.finish_reason is not None:
+        if last.finish_reason not in FINISH_REASONS:
+            raise ResumeRefused("finish_record", f"unknown finish reason {last.finish_reason!r}")
+        try:
+            stop = None if last.stop_reason_json is None else json.loads(last.stop_reason_json)
+        except ValueError:
+            raise ResumeRefused("finish_record", "unreadable stop reason") from None
+        finish = (last.finish_reason, stop)
+    lps = [r.logprobs for r in rows]
     return Prefix(
         prompt_ids=list(prompt_ids),
         ids=np.concatenate([r.token_ids for r in rows]),
-        logprobs=np.concatenate([r.logprobs for r in rows]),
+        logprobs=None if any(lp is None for lp in lps) else np.concatenate(lps),
         weight_version=versions[-1],
+        finish=finish,
     )
 
 
@@ -99,29 +130,52 @@ def parse_continuation(extra: dict) -> tuple[list[str], int, str, int | None] | 
     digest, limit = extra.get(RESUME_DIGEST_ARG), extra.get(RESUME_LIMIT_ARG)
     if (
         not isinstance(keys, list)
+        or not keys
         or not all(isinstance(k, str) for k in keys)
-        or not isinstance(tokens, int)
+        or not _is_int(tokens)
         or tokens < 1
         or not isinstance(digest, str)
-        or (limit is not None and not isinstance(limit, int))
+        or (limit is not None and not _is_int(limit))
     ):
         raise ResumeRefused("malformed_continuation", "keys, tokens and digest are required")
     return keys, tokens, digest, limit
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_continuation_fields(xargs: dict) -> None:
+    """Types of the continuation fields as the caller sent them (raw JSON), before vLLM's
+    request model would coerce them (`true` into 1); ValueError names the field."""
+    if RESUME_KEYS_ARG not in xargs:
+        return
+    keys = xargs[RESUME_KEYS_ARG]
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"{RESUME_KEYS_ARG} must be a non-empty list of staging keys")
+    if not _is_int(xargs.get(RESUME_TOKENS_ARG)) or xargs[RESUME_TOKENS_ARG] < 1:
+        raise ValueError(f"{RESUME_TOKENS_ARG} must be a positive integer")
+    if not isinstance(xargs.get(RESUME_DIGEST_ARG), str):
+        raise ValueError(f"{RESUME_DIGEST_ARG} must be a hex digest string")
+    limit = xargs.get(RESUME_LIMIT_ARG)
+    if limit is not None and not _is_int(limit):
+        raise ValueError(f"{RESUME_LIMIT_ARG} must be an integer")
+
+
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps biases to this
 
 
-def _emulate_frequency_penalty(params, prefix_ids: np.ndarray) -> None:
+def frequency_penalty_bias(params, prefix_ids: np.ndarray) -> dict[int, float]:
     """The penalty counts output tokens, and the prefix is now prompt: subtract
-    `penalty x count` for the prefix's tokens as a logit bias (additive, like the penalty)."""
+    `penalty x count` for the prefix's tokens as a logit bias (additive, like the penalty).
+    Refused when vLLM would clamp the bias (the emulation would no longer be exact)."""
     ids, counts = np.unique(prefix_ids, return_counts=True)
     bias = dict(params.logit_bias or {})
     for tok, n in zip(ids.tolist(), counts.tolist(), strict=True):
         bias[tok] = bias.get(tok, 0.0) - params.frequency_penalty * n
     if any(abs(b) > MAX_LOGIT_BIAS for b in bias.values()):
         raise ResumeRefused("frequency_penalty", "the emulating logit bias would be clamped")
-    params.logit_bias = bias
+    return bias
 
 
 def _is_delta(params) -> bool:
@@ -131,11 +185,23 @@ def _is_delta(params) -> bool:
 
 
 class Resumer:
-    """Hooks on one AsyncLLM: a `generate` wrapper and the capture's add-request callback."""
+    """Hooks on one AsyncLLM: a `generate` wrapper and the capture's add-request callback.
 
-    def __init__(self, capture: TokenCapture, store, partition: str, classify) -> None:
+    `retire(keys)` is called with an earlier attempt's chunk keys when a resume answered the
+    call without decoding (no captured call will delete them with its terminal row).
+    """
+
+    def __init__(
+        self,
+        capture: TokenCapture,
+        store,
+        partition: str,
+        classify,
+        retire: Callable[[list[str]], None] | None = None,
+    ) -> None:
         self.capture, self.store, self.partition = capture, store, partition
         self.classify = classify
+        self.retire = retire or (lambda keys: None)
         self.metrics = WorkerMetrics()
         self.pending: dict[str, tuple[Prefix, Any]] = {}  # external request id -> plan
         self.states: dict[str, Any] = {}  # external request id -> its transplanted state
@@ -154,31 +220,46 @@ class Resumer:
             if prefix is not None:
                 original = copy.copy(sampling_params)
                 k = len(prefix.ids)
-                done = self._finished_reason(prefix, original)
-                if done is not None:
-                    yield self._complete_output(request_id, prefix, original, *done)
+                if prefix.done is not None:
+                    yield self._complete_output(request_id, prefix, original, *prefix.done)
+                    self.retire(prefix.keys)
                     return
-                if sampling_params.frequency_penalty:
-                    _emulate_frequency_penalty(sampling_params, prefix.ids)
+                if prefix.logit_bias is not None:
+                    sampling_params.logit_bias = prefix.logit_bias
                 prompt = dict(prompt, prompt_token_ids=[*prefix.prompt_ids, *prefix.ids.tolist()])
                 prompt.pop("prompt", None)
                 sampling_params.max_tokens = original.max_tokens - k
                 sampling_params.min_tokens = max(0, (original.min_tokens or 0) - k)
                 self.pending[request_id] = (prefix, original)
             streamed = prefix is not None and _is_delta(sampling_params)
+            decoded = 0
             try:
                 async for out in orig_generate(prompt, sampling_params, request_id, **kwargs):
+                    if prefix is not None:
+                        decoded = self._decoded(out, request_id, prefix, decoded)
                     if streamed:
                         streamed = False
                         self._prepend_prefix(out, prefix, request_id)
                     yield out
             finally:
+                if prefix is not None and decoded:
+                    self.metrics.count("resume.decoded_tokens", decoded)
                 self.pending.pop(request_id, None)
                 self.states.pop(request_id, None)
 
         engine.generate = generate
 
+    def _decoded(self, out, request_id: str, prefix: Prefix, so_far: int) -> int:
+        """Tokens the engine itself produced for a resumed call (its state holds the prefix
+        replayed plus what the engine appended since)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return so_far
+        return max(so_far, state.detokenizer.num_output_tokens() - len(prefix.ids))
+
     async def _prepare(self, prompt, params, extra: dict) -> Prefix | None:
+        """Fetch and validate a continuation and decide how the call goes on; every refusal
+        is counted by reason and the call is decoded from scratch."""
         from rollout_recovery.generation.capture import identity_from_extra_args
 
         try:
@@ -207,29 +288,53 @@ class Resumer:
                 rows, identity, keys, list(prompt["prompt_token_ids"]), tokens, digest
             )
             prefix.keys = list(keys)
+            if prefix.logprobs is None:
+                raise ResumeRefused("prefix_without_logprobs", "a chunk has no sampled logprobs")
+            prefix.done = prefix.finish or self._prefix_finish(prefix, params)
+            if prefix.done is None and params.frequency_penalty:
+                prefix.logit_bias = frequency_penalty_bias(params, prefix.ids)
         except ResumeRefused as refused:
             self.metrics.restore(refused.reason)
             return None
         self.metrics.restore("resumed", len(prefix.ids))
         return prefix
 
-    def _finished_reason(self, prefix: Prefix, params) -> tuple[str, Any] | None:
-        """(finish_reason, stop_reason) when the prefix already ended the call."""
-        k = len(prefix.ids)
-        last = int(prefix.ids[-1])
-        if k >= (params.min_tokens or 0):
-            if last in (params.stop_token_ids or []):
-                return "stop", last
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            if not params.ignore_eos and last == eos:
+    def _prefix_finish(self, prefix: Prefix, params) -> tuple[str, Any] | None:
+        """(finish_reason, stop_reason) when a prefix without a finish record already ends the
+        call by its stop conditions, None when it must go on. A stop condition met before the
+        prefix's last token means the prefix did not come from this call: refused."""
+        ids = prefix.ids.tolist()
+        k, min_tokens = len(ids), params.min_tokens or 0
+        eos = None if params.ignore_eos else getattr(self.tokenizer, "eos_token_id", None)
+        stop_ids = set(params.stop_token_ids or [])
+
+        def stop_at(i: int) -> tuple[str, Any] | None:
+            if i + 1 < min_tokens:
+                return None
+            if ids[i] == eos:
                 return "stop", None
+            return ("stop", ids[i]) if ids[i] in stop_ids else None
+
+        for i in range(k - 1):
+            if stop_at(i) is not None:
+                raise ResumeRefused("prefix_past_stop", f"stop token at position {i} of {k}")
+        if params.stop:
+            detok, _, stop = self._states_for("stop-check", prefix, params)
+            if stop is not None:
+                if detok.num_output_tokens() < k:
+                    raise ResumeRefused("prefix_past_stop", f"stop string {stop!r} before the end")
+                return "stop", stop
+        done = stop_at(k - 1)
+        if done is not None:
+            return done
         if params.max_tokens is not None and k >= params.max_tokens:
             return "length", None
         return None
 
-    def _states_for(self, request_id: str, prefix: Prefix, params):
+    def _states_for(self, request_id: str, prefix: Prefix, params, stop_terminated=False):
         """A detokenizer primed on the original prompt with the prefix replayed, and a
-        logprobs container prefilled with the prefix (the same code vLLM uses per step)."""
+        logprobs container prefilled with the prefix (the same code vLLM uses per step).
+        `stop_terminated`: the last token is a stop token, left out of the text as vLLM does."""
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
         from vllm.v1.engine.logprobs import LogprobsProcessor
         from vllm.v1.outputs import LogprobsLists
@@ -239,9 +344,9 @@ class Resumer:
         )
         tokenizer = self.tokenizer if params.detokenize else None
         detok = IncrementalDetokenizer.from_new_request(tokenizer, fake)
-        stop = detok.update(prefix.ids.tolist(), False)
+        stop = detok.update(prefix.ids.tolist(), stop_terminated)
         lp = LogprobsProcessor.from_new_request(tokenizer, fake)
-        if lp.logprobs is not None:
+        if lp.logprobs is not None and prefix.logprobs is not None:
             k = len(prefix.ids)
             lp._update_sample_logprobs(
                 LogprobsLists(
@@ -253,9 +358,12 @@ class Resumer:
         return detok, lp, stop
 
     def _complete_output(self, request_id: str, prefix: Prefix, params, reason, stop_reason):
+        """The whole answer of a call whose prefix had already finished, as vLLM would have
+        returned it: a stop token's text is left out, a stop string truncates the text."""
         from vllm.outputs import CompletionOutput, RequestOutput
 
-        detok, lp, stop = self._states_for(request_id, prefix, params)
+        by_token = reason == "stop" and not isinstance(stop_reason, str)
+        detok, lp, stop = self._states_for(request_id, prefix, params, stop_terminated=by_token)
         if stop:
             reason, stop_reason = "stop", stop
         self.metrics.restore("finished_without_decoding")

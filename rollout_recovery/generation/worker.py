@@ -185,7 +185,10 @@ class GenerationWorker:
             max_calls=tc.max_inventory_calls,
         )
         capture.install(self._engine)
-        Resumer(capture, self._store, tc.staging_partition, capture.classify).install(self._engine)
+        resumer = Resumer(
+            capture, self._store, tc.staging_partition, capture.classify, self._service.retire
+        )
+        resumer.install(self._engine)
         return make_control_router(self._service, tc.control_auth_token)
 
     def _require_capture(self):
@@ -205,6 +208,12 @@ class GenerationWorker:
 
     async def end_fence(self, epoch: int) -> bool:
         return self._require_capture().fence.end(epoch)
+
+    async def fence_state(self) -> dict[str, Any]:
+        """The fence as it is now: held epoch, held, lease left, and the highest epoch seen
+        (the next fence must use a newer one)."""
+        fence = self._require_capture().fence
+        return vars(fence.state()) | {"highest_epoch": fence.highest_epoch}
 
     async def capture_metrics(self) -> dict[str, float]:
         service = self._require_capture()

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import ray
 
-from rollout_recovery.data_plane.digest import chain_digests, token_digest
+from rollout_recovery.data_plane.digest import chain_digests, finish_digest, token_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows, table_to_terminal_rows
 
 pytestmark = pytest.mark.engine
@@ -130,7 +130,11 @@ def test_repeated_cuts_put_every_token_in_one_chunk(capture_worker):
             assert [c.prev_len for c in chunks] == list(
                 np.cumsum([0] + [len(d) for d in deltas])[:-1]
             )
-            assert [c.digest for c in chunks] == chain_digests(deltas)
+            chained = chain_digests(deltas)
+            assert [c.digest for c in chunks[:-1]] == chained[:-1]
+            # The last chunk ends the finished call: its digest seals the finish record.
+            assert chunks[-1].finish_reason == "length"
+            assert chunks[-1].digest == finish_digest(chained[-1], "length", None)
             assert last["prefix_digest"] == chunks[-1].digest.hex()
             final = outs[i]["choices"][0]["token_ids"]
             assert np.concatenate(deltas).tolist() == final  # every token exactly once

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from rollout_recovery.data_plane import StagingStore
+from rollout_recovery.data_plane.schemas import table_to_chunk_rows
 from rollout_recovery.generation import start_workers, stop_workers
 
 pytestmark = pytest.mark.engine
@@ -35,13 +36,42 @@ class SlowStore:
         return await self.store.adelete(partition, keys)
 
 
-def test_cut_deadline_marks_unreached_calls_and_cleans_up(ray_session, tiny_cfg, tmp_path):
+@pytest.fixture(scope="module")
+def slow_worker(ray_session, tiny_cfg, tmp_path_factory):
+    """A worker whose staging puts take 2 s while a flag file exists; cuts time out at 0.5 s."""
     store = StagingStore.create(num_shards=1)
-    flag = tmp_path / "slow"
+    flag = tmp_path_factory.mktemp("slow") / "flag"
     cfg = tiny_cfg.model_copy(deep=True)
     cfg.token_capture.enabled = True
     cfg.token_capture.control_timeout_s = 0.5
     [worker] = start_workers(cfg, 1, store=SlowStore(store, str(flag), delay_s=2.0))
+    yield worker, store, flag
+    stop_workers([worker])
+    store.shutdown()
+
+
+def _requests(client: httpx.AsyncClient, url: str, rollouts: list[str]) -> list[asyncio.Task]:
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 900,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    return [
+        asyncio.create_task(
+            client.post(
+                f"{url}/v1/chat/completions",
+                json=body | {"vllm_xargs": {"rr_rollout_id": r, "rr_model_call_id": "c0"}},
+                timeout=300,
+            )
+        )
+        for r in rollouts
+    ]
+
+
+def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
+    worker, store, flag = slow_worker
     rollouts = [f"dl-{i}" for i in range(4)]
     inv = {
         "checkpoint_id": "deadline",
@@ -49,24 +79,8 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(ray_session, tiny_cfg,
     }
 
     async def scenario():
-        body = {
-            "model": "policy",
-            "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 600,
-            "temperature": 0.0,
-            "ignore_eos": True,
-        }
         async with httpx.AsyncClient() as client:
-            tasks = [
-                asyncio.create_task(
-                    client.post(
-                        f"{worker.info.url}/v1/chat/completions",
-                        json=body | {"vllm_xargs": {"rr_rollout_id": r, "rr_model_call_id": "c0"}},
-                        timeout=300,
-                    )
-                )
-                for r in rollouts
-            ]
+            tasks = _requests(client, worker.info.url, rollouts)
             await asyncio.sleep(0.3)
             flag.touch()
             t0 = time.monotonic()
@@ -88,18 +102,59 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(ray_session, tiny_cfg,
                 t.cancel()
             return slow, took, staged_after_deadline, fast, fence_s
 
+    slow, took, staged, fast, fence_s = asyncio.run(scenario())
+    assert took < 1.5, took
+    assert fence_s < 0.3, fence_s
+    assert {c["reason"] for c in slow["calls"]} == {"control_deadline"}
+    assert all(c["disposition"] == "durable_failure" for c in slow["calls"])
+    assert staged == []  # nothing half-staged stays behind
+    # The next cut starts from scratch and succeeds.
+    assert all(c["disposition"] == "durable_prefix" for c in fast["calls"])
+    assert all(c["staging_keys"][0].endswith("/c000000") for c in fast["calls"])
+    metrics = ray.get(worker.actor.capture_metrics.remote())
+    assert metrics["cut_failure.control_deadline"] == 4
+
+
+def test_a_late_cleanup_never_deletes_what_a_later_cut_made_durable(slow_worker):
+    """A cut misses its deadline while its put is still in flight; the next cut of the same
+    calls reuses the chunk keys. The late put and its cleanup must not overwrite or delete
+    rows that a later receipt reported durable."""
+    worker, store, flag = slow_worker
+    actor = worker.actor
+    rollouts = [f"late-{i}" for i in range(3)]
+    inv = {"calls": [{"rollout_id": r, "model_call_id": "c0"} for r in rollouts]}
+    epoch = ray.get(actor.fence_state.remote())["highest_epoch"] + 1
+
+    async def scenario():
+        async with httpx.AsyncClient() as client:
+            tasks = _requests(client, worker.info.url, rollouts)
+            await asyncio.sleep(0.3)
+            await actor.begin_fence.remote(epoch, 60)  # finished calls keep their chunks
+            flag.touch()
+            late = await actor.cut.remote(inv | {"checkpoint_id": "late-1"})
+            flag.unlink()  # the next puts are fast; the first one is still sleeping
+            receipts = [await actor.cut.remote(inv | {"checkpoint_id": "late-2"})]
+            await asyncio.sleep(2.5)  # the late put lands, then its cleanup runs
+            receipts.append(await actor.cut.remote(inv | {"checkpoint_id": "late-3"}))
+            await asyncio.sleep(0.5)
+            for t in tasks:
+                t.cancel()
+            return late, receipts
+
     try:
-        slow, took, staged, fast, fence_s = asyncio.run(scenario())
-        assert took < 1.5, took
-        assert fence_s < 0.3, fence_s
-        assert {c["reason"] for c in slow["calls"]} == {"control_deadline"}
-        assert all(c["disposition"] == "durable_failure" for c in slow["calls"])
-        assert staged == []  # nothing half-staged stays behind
-        # The next cut starts from scratch and succeeds.
-        assert all(c["disposition"] == "durable_prefix" for c in fast["calls"])
-        assert all(c["staging_keys"][0].endswith("/c000000") for c in fast["calls"])
-        metrics = ray.get(worker.actor.capture_metrics.remote())
-        assert metrics["cut_failure.control_deadline"] == 4
+        late, receipts = asyncio.run(scenario())
+        assert {c["reason"] for c in late["calls"]} == {"control_deadline"}
+        durable = [c for r in receipts for c in r["calls"] if c["disposition"] == "durable_prefix"]
+        assert len(durable) >= len(rollouts)  # the last cut, at least, is durable
+        for c in durable:
+            table, missing = store.get("rollout_staging", c["staging_keys"])
+            assert missing == [], (c, missing)
+            rows = table_to_chunk_rows(table)
+            assert rows[-1].digest.hex() == c["prefix_digest"]  # not overwritten by the late put
+            assert rows[-1].cum_len == c["prefix_token_count"]
+        second = receipts[0]["calls"]
+        assert {c["reason"] for c in second if c["disposition"] != "durable_prefix"} <= {
+            "cleanup_pending"
+        }
     finally:
-        stop_workers([worker])
-        store.shutdown()
+        ray.get(actor.end_fence.remote(epoch))

@@ -291,3 +291,61 @@ def test_a_streamed_resume_delivers_the_whole_completion(capture_worker):
     assert ids == choice["token_ids"]
     assert text == choice["message"]["content"]
     assert lps == [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+def test_a_refused_frequency_penalty_emulation_regenerates(capture_worker):
+    """A prefix whose emulating logit bias vLLM would clamp cannot be resumed exactly: the
+    call is decoded from scratch (not failed), counted as refused and not as resumed."""
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"fpx-ref-{next(_ids)}", ignore_eos=True, frequency_penalty=-2.0,
+                max_tokens=80)  # fmt: skip
+    ids = ref["choices"][0]["token_ids"]
+    k = 60
+    assert max(ids[:k].count(t) for t in set(ids[:k])) * 2.0 > 100  # the bias would clamp
+    rollout = f"fpx-res-{next(_ids)}"
+    cont = _stage(store, rollout, ref, k)
+    before = _metrics(worker)
+    out = _chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True, frequency_penalty=-2.0,
+                max_tokens=80)  # fmt: skip
+    after = _metrics(worker)
+    _same(out, ref)
+    assert after.get("resume.frequency_penalty", 0) == before.get("resume.frequency_penalty", 0) + 1
+    assert after.get("resume.resumed", 0) == before.get("resume.resumed", 0)
+
+
+def test_a_prefix_without_logprobs_is_refused_and_regenerated(capture_worker):
+    """Chunks staged without sampled logprobs carry none (not zeros); a resume cannot give the
+    caller the uninterrupted logprobs from them, so it fails closed."""
+    worker, store = capture_worker
+    url = worker.info.url
+    ref = _chat(url, f"nolp-ref-{next(_ids)}", ignore_eos=True)
+    rollout = f"nolp-res-{next(_ids)}"
+    cont = _stage(store, rollout, ref, 12)
+    table, _ = store.get("rollout_staging", cont["rr_resume_keys"])
+    rows = table_to_chunk_rows(table)
+    rows[0].logprobs = None
+    store.put("rollout_staging", chunk_rows_to_table(rows))
+    before = _metrics(worker)
+    _same(_chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True), ref)
+    after = _metrics(worker)
+    name = "resume.prefix_without_logprobs"
+    assert after.get(name, 0) == before.get(name, 0) + 1
+
+
+def test_booleans_are_not_numbers_in_call_identities_and_continuations(capture_worker):
+    """vLLM's request model would turn `true` into 1; the worker refuses it before that."""
+    worker, store = capture_worker
+    url = worker.info.url
+    identity = {"rr_rollout_id": f"bool-{next(_ids)}", "rr_model_call_id": "c0"}
+    body = _body("unused") | {"vllm_xargs": identity | {"rr_attempt": True}}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "rr_attempt" in r.text
+    ref = _chat(url, f"boolc-ref-{next(_ids)}", ignore_eos=True)
+    rollout = f"boolc-{next(_ids)}"
+    cont = _stage(store, rollout, ref, 1)
+    for field in ("rr_resume_tokens", "rr_resume_limit"):
+        body = _body(rollout, 1, cont | {field: True}, ignore_eos=True)
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and field in r.text, r.text
+    assert ray.get(worker.actor.health.remote()).healthy

@@ -121,8 +121,8 @@ def test_token_columns_are_read_as_numpy_views():
 
 
 def test_every_schema_is_versioned():
-    for kind, schema in SCHEMAS.items():
-        assert schema_version(schema) == 1, kind
+    versions = {kind: schema_version(schema) for kind, schema in SCHEMAS.items()}
+    assert versions == {"chunk_row": 2, "terminal_row": 2, "replay_row": 2, "token_entry_row": 1}
     assert TERMINAL_ROW_SCHEMA.field("token_ids").type == pa.list_(pa.int32())
     assert TERMINAL_ROW_SCHEMA.field("logprobs").type == pa.list_(pa.float32())
 
@@ -152,7 +152,7 @@ def test_conform_refuses_wrong_types_missing_columns_and_nulls():
 def test_newer_rows_are_refused_with_upgrade_hint():
     table = chunk_rows_to_table(_chunks())
     meta = dict(table.schema.metadata)
-    meta[b"rollout_recovery.schema_version"] = b"2"
+    meta[b"rollout_recovery.schema_version"] = b"3"
     newer = table.replace_schema_metadata(meta)
     with pytest.raises(SchemaVersionError, match="upgrade rollout_recovery"):
         conform(newer, CHUNK_ROW_SCHEMA, "put")
@@ -163,3 +163,52 @@ def test_conform_accepts_plain_tables_with_the_right_columns():
     plain = pa.Table.from_arrays(table.columns, names=table.column_names)  # no metadata
     out = conform(plain, CHUNK_ROW_SCHEMA, "put")
     assert out.schema.equals(CHUNK_ROW_SCHEMA, check_metadata=True)
+
+
+def test_v1_chunk_rows_are_upgraded_with_null_finish_columns():
+    table = chunk_rows_to_table(_chunks())
+    v1 = table.drop_columns(["finish_reason", "stop_reason_json"])
+    meta = dict(v1.schema.metadata) | {b"rollout_recovery.schema_version": b"1"}
+    v1 = v1.replace_schema_metadata(meta)
+    out = conform(v1, CHUNK_ROW_SCHEMA, "snapshot")
+    assert out.schema.equals(CHUNK_ROW_SCHEMA, check_metadata=True)
+    assert out.column("finish_reason").null_count == out.num_rows
+    # A current-version table missing the columns is still refused (no silent fill).
+    with pytest.raises(SchemaMismatchError, match="missing"):
+        conform(table.drop_columns(["finish_reason"]), CHUNK_ROW_SCHEMA, "put")
+
+
+def test_absent_logprobs_stay_absent_not_zeros():
+    rows = _chunks()
+    rows[1].logprobs = None
+    back = table_to_chunk_rows(chunk_rows_to_table(rows))
+    assert back[1].logprobs is None and back[0].logprobs is not None
+    replay = ReplayRow(
+        key="g/0", rollout_id="r", group_id="g", generation_index=0, prompt_len=1,
+        token_ids=np.array([1, 2], np.int32), loss_mask=np.array([0, 1], np.int8),
+        logprobs=None, reward=1.0, weight_version_min=0, weight_version_max=0,
+    )  # fmt: skip
+    [rb] = table_to_replay_rows(replay_rows_to_table([replay]))
+    assert rb.logprobs is None
+
+
+def test_finish_record_round_trips_and_seals_the_digest():
+    from rollout_recovery.data_plane.digest import chain_digest, finish_digest
+
+    rows = _chunks()
+    rows[-1].finish_reason, rows[-1].stop_reason_json = "stop", "362"
+    back = table_to_chunk_rows(chunk_rows_to_table(rows))
+    assert (back[-1].finish_reason, back[-1].stop_reason_json) == ("stop", "362")
+    assert back[0].finish_reason is None
+    chain = chain_digest(bytes(32), [1, 2])
+    sealed = {
+        finish_digest(chain, r, j)
+        for r, j in [
+            ("stop", "362"),
+            ("stop", "361"),
+            ("stop", None),
+            ("length", None),
+            ("stop", '"x"'),
+        ]
+    }
+    assert len(sealed) == 5 and chain not in sealed  # fmt: skip
