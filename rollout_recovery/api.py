@@ -4,6 +4,11 @@ start the data plane, the workers and the environment (or restore them from a sn
 submit prompt groups (the environment's finished episodes become `replay` rows);
 take a training batch (a lease, acked after the optimizer step); push new weights; notify a
 trainer checkpoint (a data-plane snapshot follows it). The shipped GRPO driver uses only this.
+
+Every snapshot's ledger records the model identity (the base model's digest, the weight version
+and the digest of the weights being served), so a restore can refuse another model. Checkpoint
+attempts, on the cadence or after a trainer checkpoint, share one count of consecutive
+failures: `rollout_checkpointing.max_consecutive_failures` in a row stop the run.
 """
 
 from __future__ import annotations
@@ -25,19 +30,29 @@ import ray
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.data_plane import (
     LeaseResult,
+    PublishGate,
     ReplayRow,
     SnapshotError,
     StagingStore,
 )
-from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.environment.rollout_env import RolloutEnvironmentActor
+from rollout_recovery.errors import CheckpointWriteError, RecoveryError, RestoreError
 from rollout_recovery.generation import WorkerHandle, start_workers, stop_workers
+from rollout_recovery.model_identity import base_model_identity, directory_weights_digest
+from rollout_recovery.restore import (
+    DATA_PLANE,
+    LEDGER,
+    LEDGER_FORMAT,
+    check_model,
+    read_ledger,
+    select_snapshot,
+)
 from rollout_recovery.runtime import init_ray
+from rollout_recovery.storage import RunStorage
 from rollout_recovery.tiny_model import resolve_model_path
 
 log = logging.getLogger("rollout_recovery")
-LEDGER = "ledger.json"
 COUNTERS = (
     "checkpoints",
     "checkpoint_failures",
@@ -69,7 +84,9 @@ class RolloutRecovery:
         self.workers: list[WorkerHandle] = []
         self.env: ray.actor.ActorHandle | None = None  # the RolloutEnvironmentActor
         self.weight_version = 0
+        self.weights_sha256: str | None = None  # None: the base model's weights are served
         self.model_dir = resolve_model_path(cfg.policy.model_path)
+        self.model = base_model_identity(cfg.policy.model_path, self.model_dir)
         # One private loop, on its own thread, for every async call: the caller's thread may
         # already run one (a Ray actor does).
         self._loop = asyncio.new_event_loop()
@@ -77,9 +94,10 @@ class RolloutRecovery:
         self._thread.start()
         self.step = 0  # the trainer step whose rollouts are being generated
         self._epoch = itertools.count(1)
-        self.snapshot_root = str(Path(cfg.checkpointing.checkpoint_dir) / "data_plane")
-        self.checkpoint_log = Path(cfg.checkpointing.checkpoint_dir) / "checkpoints.jsonl"
+        self.storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+        self.snapshot_root = self.storage.child_uri(DATA_PLANE)
         self.stats: Counter[str] = Counter()  # checkpoints, failures, fence hold seconds
+        self.failures_in_a_row = 0
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -187,83 +205,139 @@ class RolloutRecovery:
         for tally in ray.get([w.actor.capture_metrics.remote() for w in self.workers]):
             seen.update({k: int(v) for k, v in tally.items() if k.startswith("resume.")})
         accepted = seen["resume.resumed"]
-        after = ("resume.resumed", "resume.finished_without_decoding", "resume.prefix_tokens")
+        after = (
+            "resume.resumed",
+            "resume.finished_without_decoding",
+            "resume.prefix_tokens",
+            "resume.decoded_tokens",
+        )  # outcomes of accepted resumes and token counts
         refused = sum(v for k, v in seen.items() if k not in after)
         return {"worker_resumes_accepted": accepted, "worker_resumes_refused": refused}
 
-    def push_weights(self, weights_dir: str | Path, version: int | None = None) -> int:
+    def push_weights(
+        self, weights_dir: str | Path, version: int | None = None, expect_sha256: str | None = None
+    ) -> int:
         """Load new weights into every worker as the next weight version (or `version`, when
-        a restore re-establishes a checkpoint's weights)."""
-        self.weight_version = self.weight_version + 1 if version is None else version
-        ray.get([w.actor.push_weights.remote(str(weights_dir), self.weight_version)
+        a restore re-establishes a checkpoint's weights; `expect_sha256`: the digest those
+        weights must have, or nothing is pushed)."""
+        digest = directory_weights_digest(weights_dir)
+        if expect_sha256 is not None and digest != expect_sha256:
+            raise RestoreError(
+                f"the weights in {weights_dir} have digest {digest[:12]}, the snapshot expects "
+                f"{expect_sha256[:12]}; refusing to push them"
+            )
+        version = self.weight_version + 1 if version is None else version
+        ray.get([w.actor.push_weights.remote(str(weights_dir), version)
                  for w in self.workers])  # fmt: skip
+        self.weight_version, self.weights_sha256 = version, digest
         return self.weight_version
 
     # ------------------------------------------------------------------ checkpoints
 
     async def _checkpoint_cadence(self) -> None:
         interval = self.cfg.rollout_checkpointing.snapshot_attempt_interval_s
-        failures = 0
         while True:
             await asyncio.sleep(interval)
-            try:
-                await self.checkpoint("cadence")
-                failures = 0
-            except Exception as err:
-                failures += 1
-                log.warning("rollout checkpoint attempt failed (%s): %s", failures, err)
-                if failures >= self.cfg.rollout_checkpointing.max_consecutive_failures:
-                    raise
+            await self._counted_checkpoint("cadence")
+
+    async def _counted_checkpoint(self, reason: str) -> dict | None:
+        """One attempt, counted with every other: a failure is logged and returns None until
+        max_consecutive_failures fail in a row, which raises CheckpointWriteError."""
+        try:
+            metrics = await self.checkpoint(reason)
+        except Exception as err:
+            self.failures_in_a_row += 1
+            limit = self.cfg.rollout_checkpointing.max_consecutive_failures
+            why = one_line(err)
+            log.warning("rollout checkpoint failed (%d in a row): %s", self.failures_in_a_row, why)
+            self._log_checkpoint(
+                {
+                    "checkpoint": None,
+                    "reason": reason,
+                    "step": self.step,
+                    "failed": why,
+                    "failures_in_a_row": self.failures_in_a_row,
+                }
+            )
+            if self.failures_in_a_row >= limit:
+                raise CheckpointWriteError(
+                    f"{self.failures_in_a_row} rollout checkpoint attempts failed in a row "
+                    f"(rollout_checkpointing.max_consecutive_failures={limit}); the last: {why}. "
+                    "Fix the checkpoint location (space, permissions, reachability), then "
+                    "continue with `train --restore`"
+                ) from None
+            return None
+        self.failures_in_a_row = 0
+        return metrics
+
+    def _log_checkpoint(self, record: dict) -> None:
+        try:
+            self.storage.append_line("checkpoints.jsonl", json.dumps(record))
+        except OSError as err:  # the log is a report; the checkpoint's fate is decided already
+            log.warning("cannot write checkpoints.jsonl: %s", err)
+
+    def _ledger(self, reason: str, records: dict) -> dict:
+        return {
+            "format": LEDGER_FORMAT,
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "reason": reason,
+            "level": self.cfg.rollout_recovery.target_level,
+            "model": {
+                "base": self.model,
+                "weight_version": self.weight_version,
+                "weights_sha256": self.weights_sha256,
+            },
+            **records,  # episodes, continuations
+        }
 
     async def checkpoint(self, reason: str) -> dict:
         """One checkpoint attempt (DESIGN.md §4): fence the workers, prepare the environment
         (admission closed, in-flight calls cut), commit its episode records, snapshot the
         store with the ledger (manifest last), then release the fences and reopen admission,
-        also when the attempt fails. Returns the per-checkpoint metrics (also appended to
-        checkpoints.jsonl)."""
+        also when the attempt fails. An attempt that fails or times out is aborted through its
+        publish gate: from then on its snapshot can no longer be published. Returns the
+        per-checkpoint metrics (also appended to checkpoints.jsonl)."""
         t0 = time.monotonic()
         epoch = next(self._epoch)
         timeout = self.cfg.rollout_checkpointing.attempt_timeout_s
         lease_s = max(self.cfg.token_capture.control_timeout_s * 3, timeout + 5)
         ckpt_id = f"ckpt-{self.step}-{epoch}"
         fenced = self.workers if self.cfg.token_capture.enabled else []
+        gate = PublishGate()
 
         async def attempt():
             await asyncio.gather(*(w.actor.begin_fence.remote(epoch, lease_s) for w in fenced))
             cuts = await self.env.prepare.remote(ckpt_id, lease_s)
             records = await self.env.commit.remote(ckpt_id)
-            ledger = {
-                "format": 2,
-                "step": self.step,
-                "weight_version": self.weight_version,
-                "reason": reason,
-                "level": self.cfg.rollout_recovery.target_level,
-                **records,  # episodes, continuations
-            }
+            swept = records.pop("chunk_rows_swept", 0)
+            ledger = self._ledger(reason, records)
             s0 = time.monotonic()
             snap = await self.store.asnapshot(
                 self.snapshot_root,
                 meta={"trainer_step": str(self.step), "reason": reason},
                 sidecars={LEDGER: json.dumps(ledger, sort_keys=True).encode()},
                 deadline=t0 + timeout,
+                gate=gate,
             )
-            return cuts, records, snap, time.monotonic() - s0
+            return cuts | {"chunk_rows_swept": swept}, records, snap, time.monotonic() - s0
 
         try:
             cuts, records, snap, snapshot_s = await asyncio.wait_for(attempt(), timeout)
         except Exception as err:
             self.stats["checkpoint_failures"] += 1
+            late = not gate.abort()  # False: it was published before the abort landed
             if isinstance(err, TimeoutError):
+                outcome = "it was published just before the abort" if late else (
+                    "aborted, nothing published")  # fmt: skip
                 raise TimeoutError(
                     f"checkpoint {ckpt_id} took longer than rollout_checkpointing."
-                    f"attempt_timeout_s={timeout}; aborted, nothing published"
+                    f"attempt_timeout_s={timeout}; {outcome}"
                 ) from None
             raise
         finally:
             fence_s = time.monotonic() - t0
-            with contextlib.suppress(ProtocolError):  # a lapsed lease already reopened it
-                await self.env.resume.remote(ckpt_id)
-            await asyncio.gather(*(w.actor.end_fence.remote(epoch) for w in fenced))
+            await self._release(ckpt_id, epoch, fenced)
         StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
         self.stats["checkpoints"] += 1
         self.stats["fence_hold_s"] += fence_s
@@ -272,78 +346,73 @@ class RolloutRecovery:
             "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,
             "episodes_recorded": len(records["episodes"]), **cuts,
         }  # fmt: skip
-        with open(self.checkpoint_log, "a") as fh:
-            fh.write(json.dumps(metrics) + "\n")
+        self._log_checkpoint(metrics)
         return metrics
 
-    def restore(self, mode: str | None = None) -> dict | None:
-        """Restore the store from the snapshot `restore_snapshot` selects and load its episode
-        records into the (fresh) environment; returns the ledger, or None when there is
-        nothing to restore."""
+    async def _release(self, ckpt_id: str, epoch: int, fenced: list[WorkerHandle]) -> None:
+        """Reopen admission and release every fence, whatever any one of them raises (a fence
+        left held would stop terminal rows and chunk deletes until its lease ran out)."""
+        steps = [self.env.resume.remote(ckpt_id)]
+        steps += [w.actor.end_fence.remote(epoch) for w in fenced]
+        for i, result in enumerate(await asyncio.gather(*steps, return_exceptions=True)):
+            if isinstance(result, ProtocolError):
+                continue  # a lapsed lease already reopened admission
+            if isinstance(result, BaseException):
+                what = "reopening admission" if i == 0 else f"releasing worker {i - 1}'s fence"
+                self.stats["release_errors"] += 1
+                log.warning("checkpoint %s: %s failed: %s", ckpt_id, what, one_line(result))
+
+    def restore(self, snapshot: str | None = None, mode: str | None = None) -> dict | None:
+        """Restore the store from a snapshot and load its episode records into the (fresh)
+        environment; returns the ledger (with `snapshot` and the `skipped` newer snapshots and
+        why), or None when nothing was ever published. `snapshot`: restore exactly this one
+        (already chosen, e.g. by the driver); otherwise the newest usable one is chosen by
+        `restore_mode`. A snapshot of another model, of a finer recovery level, or none usable
+        among those found raises RestoreError; nothing is deleted."""
         restore_id = f"restore-{time.time_ns()}"
         ray.get(self.env.begin_restore.remote(restore_id))  # refused once calls were served
         records: list[dict] = []
         try:
-            picked = restore_snapshot(
-                self.store,
-                self.snapshot_root,
-                mode or self.cfg.rollout_checkpointing.restore_mode,
-                self.cfg.rollout_recovery.target_level,
-            )
-            if picked is not None:
-                records = picked[1].get("episodes", [])
+            if snapshot is None:
+                choice = select_snapshot(
+                    self.snapshot_root,
+                    mode or self.cfg.rollout_checkpointing.restore_mode,
+                    self.cfg.rollout_recovery.target_level,
+                )
+                if choice is None:
+                    return None
+                snapshot, ledger, skipped = choice.snapshot, choice.ledger, choice.skipped
+            else:
+                ledger, skipped = read_ledger(snapshot), []
+            check_model(snapshot, ledger, self.model)
+            try:
+                self.store.restore(snapshot)
+            except SnapshotError as err:
+                raise RestoreError(f"snapshot {snapshot} cannot be restored: {err}") from None
+            records = ledger.get("episodes", [])
         finally:
             ray.get(self.env.end_restore.remote(restore_id, records))
-        if picked is None:
-            return None
-        uri, ledger = picked
         self.step = ledger["step"]
-        return ledger | {"snapshot": uri}
+        return ledger | {"snapshot": snapshot, "skipped": skipped}
 
     def notify_trainer_checkpoint(self, step: int) -> dict:
         """After a trainer checkpoint: snapshot the data plane (so a restore never pairs
-        rollouts with weights no checkpoint holds) and keep the newest keep_latest_k."""
+        rollouts with weights no checkpoint holds) and keep the newest keep_latest_k. A failed
+        attempt counts like any other (returns `failed`); too many in a row raise."""
         if not self.cfg.checkpointing.save_data_plane:
             return {"snapshot_s": 0.0}
         self.step = step
-        metrics = self._run(self.checkpoint("trainer_checkpoint"))
+        metrics = self._run(self._counted_checkpoint("trainer_checkpoint"))
+        if metrics is None:
+            return {"snapshot_s": None, "failed": self.failures_in_a_row}
         return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}
 
 
-LEVELS = ("none", "turn", "prefix")
-
-
-def restore_snapshot(store: StagingStore, root: str, mode: str, level: str):
-    """Pick and load a snapshot: the newest published one (`mode="trainer_checkpoint"`: the
-    newest taken right after a trainer checkpoint). One that is corrupt is skipped, with a
-    message, for the one before it. A snapshot holding work of a finer recovery level than
-    `level` is refused with the setting that restores it. Returns (uri, ledger) or None."""
-    for uri in reversed(published_uris(root)):
-        try:
-            manifest = StagingStore.manifest(uri)
-            if mode == "trainer_checkpoint" and manifest.body.meta.get("reason") != (
-                "trainer_checkpoint"
-            ):
-                continue
-            ledger = json.loads(StagingStore.read_sidecar(uri, LEDGER))
-        except SnapshotError as err:
-            print(f"Snapshot {uri} is unusable ({err}); falling back to the previous one")
-            continue
-        taken = ledger.get("level", "none")
-        unfinished = ledger["continuations"] or ledger.get("episodes")
-        if unfinished and LEVELS.index(taken) > LEVELS.index(level):
-            raise RuntimeError(
-                f"snapshot {uri} holds {taken}-level recovery state; restore it with "
-                f"rollout_recovery.target_level={taken}, or use "
-                "rollout_checkpointing.restore_mode=trainer_checkpoint"
-            )
-        try:
-            store.restore(uri)
-        except SnapshotError as err:
-            print(f"Snapshot {uri} is unusable ({err}); falling back to the previous one")
-            continue
-        return uri, ledger
-    return None
+def one_line(err: BaseException) -> str:
+    """An exception as one line, unwrapped from Ray's task error."""
+    cause = getattr(err, "cause", None) or err
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return text if len(text) < 500 else text[:497] + "..."
 
 
 class SingleController:
@@ -358,7 +427,16 @@ class SingleController:
 
     def __getattr__(self, name: str):
         method = getattr(self.actor, name)
-        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+
+        def call(*args, **kwargs):
+            try:
+                return ray.get(method.remote(*args, **kwargs))
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, RecoveryError | OSError):
+                    raise err.cause from None  # an expected failure: its one line, no trace
+                raise
+
+        return call
 
     def close(self) -> None:
         try:

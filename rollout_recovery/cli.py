@@ -110,11 +110,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     history = train(cfg, ray_address=args.ray_address, restore=args.restore)
-    first, last = history[0], history[-1]
-    print(
-        f"[train] {len(history)} steps: mean reward {first['mean_reward']:.3f} -> "
-        f"{last['mean_reward']:.3f}; log {cfg.checkpointing.checkpoint_dir}/steps.jsonl"
-    )
+    if history:
+        first, last = history[0], history[-1]
+        print(
+            f"[train] {len(history)} steps: mean reward {first['mean_reward']:.3f} -> "
+            f"{last['mean_reward']:.3f}; log {cfg.checkpointing.checkpoint_dir}/steps.jsonl"
+        )
     return 0
 
 
@@ -182,12 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Expected failures end in one line naming the cause and the fix: a configuration error
+    exits 2; a refused restore, an existing run, a failed checkpoint write or an unusable
+    checkpoint location exit 1. Nothing is deleted on any of them."""
+    from rollout_recovery.errors import RecoveryError
+    from rollout_recovery.storage import StorageError
+    from rollout_recovery.training.checkpoint import TrainerCheckpointError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ConfigError as err:
         print(f"rollout-recovery: {err}", file=sys.stderr)
         return 2
+    except (RecoveryError, StorageError, TrainerCheckpointError) as err:
+        print(f"rollout-recovery: {' '.join(str(err).split())}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from rollout_recovery.environment.lineage import LineageStore
 from rollout_recovery.environment.model_client import ModelCallClient
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_sink import StoreTokenSink
+from rollout_recovery.generation.capture import CallIdentity
 
 
 class RolloutEnvironment:
@@ -213,21 +214,28 @@ class RolloutEnvironment:
             for receipt in receipts:
                 for c in receipt["calls"]:
                     cont = {"call_id": c["model_call_id"], "attempt": c["attempt"]}
-                    if c["disposition"] == "durable_prefix" and c["cut_kind"] == "active_prefix":
-                        cont |= {"keys": c["staging_keys"], "tokens": c["prefix_token_count"],
-                                 "digest": c["prefix_digest"]}  # fmt: skip
+                    if c["disposition"] == "durable_prefix":
+                        # A terminal completion is a whole answer: a resume returns it
+                        # without decoding.
+                        cont |= {
+                            "keys": c["staging_keys"],
+                            "tokens": c["prefix_token_count"],
+                            "digest": c["prefix_digest"],
+                            "cut_kind": c["cut_kind"],
+                        }
                     else:  # regenerated after a restore, as the next attempt
-                        not_cut[c["reason"] or c["cut_kind"]] += 1
+                        not_cut[c["reason"]] += 1
                     self._cuts[c["rollout_id"]] = cont
         self.participant.prepared(ckpt)
         return {"calls_cut": sum(1 for c in self._cuts.values() if "keys" in c),
                 "calls_not_cut": dict(not_cut)}  # fmt: skip
 
     def commit(self, ckpt: str) -> dict:
-        """The episode records of this checkpoint, and the continuations of in-flight calls."""
-        return self._call(self._commit, ckpt)
+        """The episode records of this checkpoint and the continuations of in-flight calls;
+        then the staging rows that no live call and no continuation needs are deleted."""
+        return self._run(self._commit(ckpt))
 
-    def _commit(self, ckpt: str) -> dict:
+    async def _commit(self, ckpt: str) -> dict:
         self.participant.commit(ckpt)
         records, continuations = [], {}
         for ep in [*self.episodes.values(), *self.pending.values()]:
@@ -245,7 +253,28 @@ class RolloutEnvironment:
             records.append(rec)
             if cont is not None:
                 continuations[ep.rollout_id] = cont
-        return {"episodes": records, "continuations": continuations}
+        live = {(rid, call, a) for rid, (_, call, a) in self._inflight.items()}
+        swept = await self._sweep(continuations.values(), live)
+        return {"episodes": records, "continuations": continuations, "chunk_rows_swept": swept}
+
+    async def _sweep(self, continuations, live: set[tuple[str, str, int]]) -> int:
+        """Delete chunk rows that outlived their call: rows neither named by a continuation
+        being kept nor belonging to a call attempt still in flight (a call that finished, was
+        aborted, or died with a previous run). Rows must not outlive their call past the next
+        checkpoint, or every snapshot carries them forever."""
+        if self.store is None:
+            return 0
+        partition = self.cfg.token_capture.staging_partition
+        keep = {k for c in continuations if c for k in c.get("keys", [])}
+        doomed = [
+            key
+            for key in await self.store.alist(partition)
+            if key not in keep and CallIdentity.of_chunk_key(key) not in live
+        ]
+        if doomed:
+            await self.store.adelete(partition, doomed)
+            self.counts["chunk_rows_swept"] += len(doomed)
+        return len(doomed)
 
     def resume(self, ckpt: str) -> None:
         """End of a checkpoint, committed or aborted: reopen admission."""
@@ -258,7 +287,8 @@ class RolloutEnvironment:
     def end_restore(self, restore_id: str, records: list[dict]) -> int:
         """Load the episode records of a restored snapshot (their token entries come from
         the restored store); returns how many episodes are unfinished. A record that cannot
-        be restored exactly fails closed: its episode starts over, counted by reason."""
+        be restored exactly fails closed: its episode starts over, counted by reason. Chunk
+        rows the records do not name belonged to calls that are gone: they are deleted."""
         entries = self.sink.get_many([t["entry_id"] for rec in records for t in rec["turns"]])
         episodes = []
         for rec in records:
@@ -268,12 +298,13 @@ class RolloutEnvironment:
                 self.counts[f"restore_refused.{err.reason}"] += 1
                 episodes.append(Episode.restart(rec, self.tool.initial_state()))
 
-        def load():
+        async def load():
+            await self._sweep([ep.continuation for ep in episodes], set())
             self.pending = {ep.rollout_id: ep for ep in episodes}
             self.participant.restored(restore_id)
             return len(self.pending)
 
-        return self._call(load)
+        return self._run(load())
 
     def close(self) -> None:
         async def close_clients():

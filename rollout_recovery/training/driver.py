@@ -4,53 +4,126 @@ Per step: sample `generations_per_prompt` rollouts per prompt at temperature 1 w
 seed per generation (position-keyed sampler: reproducible and resumable), score them with the
 toy reward, lease the batch, take one clipped policy-gradient step with AdamW on generated
 tokens only, ack the lease, push the new weights, write a trainer checkpoint, then a
-data-plane snapshot. One JSON line per step goes to `<checkpoint_dir>/steps.jsonl`.
+data-plane snapshot, then the step's line in `<checkpoint_dir>/steps.jsonl`.
+
+The old logprobs of the policy-gradient ratio are the trainer's own (one deterministic forward
+pass, detached), not the ones the workers sampled with: those differ by float noise with the
+batch shape a worker happened to decode in, so a restored run would train on slightly other
+numbers than the uninterrupted one. With one optimizer step per batch the ratio is then 1 and
+the step depends only on the tokens, masks and rewards, which recovery reproduces exactly; the
+final trainer checkpoint is the same bytes however often the run was killed. The generation
+logprobs are still required (a row without them is refused) and their gap to the trainer's is
+logged: a large gap means the workers served other weights than the trainer holds.
+
+Restore (`restore=True`) is decided from files before anything starts (restore.py): the newest
+usable snapshot, its trainer checkpoint verified and of the same weights, the same base model.
+A refusal is a `RecoveryError` with one line; nothing is deleted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import torch
 from tqdm import tqdm
 
 from rollout_recovery.api import SingleController
 from rollout_recovery.config import RolloutRecoveryConfig
+from rollout_recovery.crashpoints import crash_point
+from rollout_recovery.data_plane import SnapshotError
 from rollout_recovery.data_plane.schemas import list_rows
+from rollout_recovery.data_plane.snapshot_io import published_uris
+from rollout_recovery.errors import (
+    CheckpointWriteError,
+    RecoveryError,
+    RestoreError,
+    RunExistsError,
+)
+from rollout_recovery.model_identity import base_model_identity
+from rollout_recovery.restore import (
+    DATA_PLANE,
+    SnapshotChoice,
+    SnapshotUnusable,
+    check_model,
+    read_ledger,
+    run_has_state,
+    select_snapshot,
+)
+from rollout_recovery.storage import RunStorage, StorageError
 from rollout_recovery.tiny_model import resolve_model_path
-from rollout_recovery.training.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from rollout_recovery.training.checkpoint import (
+    TrainerCheckpointError,
+    load_trainer_checkpoint,
+    read_step_record,
+    read_trainer_meta,
+    read_trainer_state,
+    save_trainer_checkpoint,
+    trainer_dir,
+    trainer_steps,
+)
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
 from rollout_recovery.training.task import digit_reward, make_prompts
 
+STEPS_LOG = "steps.jsonl"
+
+
+class TrainingDataError(RecoveryError):
+    """A training batch cannot be trained on as it is."""
+
 
 def _batch_tensors(table):
-    """Pad the leased rows, grouped as generated (group id, then generation index)."""
+    """Pad the leased rows, grouped as generated (group id, then generation index). Every row
+    must carry its generation logprobs."""
     order = sorted(
         range(table.num_rows),
         key=lambda i: (table.column("group_id")[i].as_py(),
                        table.column("generation_index")[i].as_py()),
     )  # fmt: skip
+    missing = table.column("logprobs").is_null().to_pylist()
+    if any(missing):
+        key = table.column("key")[missing.index(True)].as_py()
+        raise TrainingDataError(
+            f"replay row {key} has no generation logprobs; a training row must carry the "
+            "logprobs its tokens were sampled with (token capture records them with each call)"
+        )
     ids, masks, lps = (list_rows(table, c) for c in ("token_ids", "loss_mask", "logprobs"))
     rewards = table.column("reward").to_numpy()
     width = max(len(ids[i]) for i in order)
     out_ids = torch.zeros(len(order), width, dtype=torch.long)
     attn = torch.zeros(len(order), width, dtype=torch.long)
     mask = torch.zeros(len(order), width)
-    old = torch.zeros(len(order), width)
+    gen = torch.zeros(len(order), width)
     for row, i in enumerate(order):
         n = len(ids[i])
         out_ids[row, :n] = torch.from_numpy(ids[i].astype(np.int64))
         attn[row, :n] = 1
         mask[row, :n] = torch.from_numpy(masks[i].astype(np.float32))
-        old[row, :n] = torch.from_numpy(lps[i].astype(np.float32))
-    # token_logprobs predicts position t from t-1: align masks and old logprobs to [:, 1:].
-    return out_ids, attn, mask[:, 1:], old[:, 1:], torch.tensor(rewards[order], dtype=torch.float32)
+        gen[row, :n] = torch.from_numpy(lps[i].astype(np.float32))
+    # token_logprobs predicts position t from t-1: align masks and logprobs to [:, 1:].
+    return out_ids, attn, mask[:, 1:], gen[:, 1:], torch.tensor(rewards[order], dtype=torch.float32)
+
+
+def grpo_step(model, opt, table, group_size: int) -> tuple[float, float, float]:
+    """One policy-gradient step on a leased batch; returns (loss, mean reward, the mean
+    absolute gap between generation and trainer logprobs on generated tokens)."""
+    ids, attn, mask, gen, rewards = _batch_tensors(table)
+    adv = group_advantages(rewards, group_size)
+    new = token_logprobs(model, ids, attn)
+    old = new.detach()  # the trainer's own: the step is independent of the batch shape served
+    loss = clipped_pg_loss(new, old, adv, mask)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    gap = ((old - gen).abs() * mask).sum() / mask.sum().clamp_min(1.0)
+    return loss.item(), float(rewards.mean()), float(gap)
 
 
 def _batch_digest(table) -> str:
@@ -65,27 +138,28 @@ def _batch_digest(table) -> str:
     return h.hexdigest()
 
 
-def _write_batch(path: Path, table) -> None:
+def _batch_bytes(table) -> bytes:
     """The exact training batch of a step (for parity checks), rows sorted by key."""
-    import pyarrow as pa
     import pyarrow.compute as pc
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = table.take(pc.sort_indices(table, [("key", "ascending")]))
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
+    return sink.getvalue().to_pybytes()
 
 
-def _write_states(path: Path, results) -> None:
+def _states_json(results) -> bytes:
     """Each episode's final tool state, by replay key (None: finished before a restore)."""
     states = {r.key: s for g in results for r, s in zip(g.rows, g.states, strict=True)}
-    path.write_text(json.dumps(states, sort_keys=True))
+    return json.dumps(states, sort_keys=True).encode()
 
 
 def _step_line(r: dict) -> str:
+    ckpt = "n/a" if r.get("checkpoint_s") is None else f"{r['checkpoint_s']:.2f}s"
     line = (
         f"step {r['step']}: loss {r['loss']:+.4f}  mean reward {r['mean_reward']:.3f}  "
-        f"{r['tokens_per_s']:.0f} tok/s  checkpoint {r['checkpoint_s']:.2f}s  "
+        f"{r['tokens_per_s']:.0f} tok/s  checkpoint {ckpt}  "
         f"rollout checkpoints {r['checkpoints']:.0f} (fence {r['fence_hold_s']:.2f}s"
         + (f", {r['checkpoint_failures']:.0f} failed)" if r["checkpoint_failures"] else ")")
     )
@@ -98,99 +172,221 @@ def _step_line(r: dict) -> str:
     return line
 
 
-def _trainer_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "trainer" / f"step-{step:06d}"
+@dataclass
+class RestorePlan:
+    choice: SnapshotChoice
+    step: int
+    meta: dict | None  # the paired trainer checkpoint (None at step 0: the base weights)
+    state: bytes | None
+
+
+def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan | None:
+    """Choose the snapshot to restore and verify everything it needs, from files only: None
+    when the location holds no run at all; RestoreError when it holds one that cannot be
+    restored (the reasons listed, nothing deleted)."""
+    identity = base_model_identity(cfg.policy.model_path, resolve_model_path(cfg.policy.model_path))
+
+    def accept(uri: str, ledger: dict) -> dict:
+        check_model(uri, ledger, identity)  # another model: refused outright
+        step = ledger["step"]
+        if step == 0:
+            return {}
+        try:
+            meta = read_trainer_meta(storage, step)
+            state = read_trainer_state(storage, step, meta)
+        except TrainerCheckpointError as err:
+            raise SnapshotUnusable(f"its trainer checkpoint: {err}") from None
+        want = ledger["model"]["weights_sha256"]
+        if meta["weights_sha256"] != want:
+            raise SnapshotUnusable(
+                f"the trainer checkpoint of step {step} holds weights {meta['weights_sha256'][:12]}"
+                f", the snapshot's calls were decoded with {str(want)[:12]}"
+            )
+        return {"meta": meta, "state": state}
+
+    rc = cfg.rollout_checkpointing
+    root = storage.child_uri(DATA_PLANE)
+    choice = select_snapshot(root, rc.restore_mode, cfg.rollout_recovery.target_level, accept)
+    if choice is None:
+        found = run_has_state(storage)
+        if found:
+            raise RestoreError(
+                f"{storage.display()} holds a run ({', '.join(found)}) but no published "
+                "snapshot to restore (checkpointing.save_data_plane=true keeps them); nothing "
+                "was deleted. Start a new run on purpose in another checkpointing.checkpoint_dir"
+            )
+        return None
+    step = choice.ledger["step"]
+    if step >= cfg.grpo.steps:
+        raise RestoreError(
+            f"the run in {storage.display()} already finished its {step} steps "
+            f"(grpo.steps={cfg.grpo.steps}); raise grpo.steps to train it further, or start a "
+            "new run in another checkpointing.checkpoint_dir"
+        )
+    return RestorePlan(choice, step, choice.extra.get("meta"), choice.extra.get("state"))
+
+
+def _prune_trainer_checkpoints(storage: RunStorage, keep_latest_k: int) -> None:
+    """Delete trainer checkpoints no kept snapshot pairs with (never the newest)."""
+    steps = trainer_steps(storage)
+    paired = []
+    try:
+        for uri in published_uris(storage.child_uri(DATA_PLANE)):
+            try:
+                paired.append(read_ledger(uri)["step"])
+            except SnapshotUnusable:
+                continue
+    except SnapshotError:
+        return
+    oldest = min(paired) if paired else (steps[-keep_latest_k - 1] if len(steps) > keep_latest_k
+                                         else 0)  # fmt: skip
+    for step in steps[:-1]:
+        if step < oldest:
+            storage.delete_dir(trainer_dir(step))
+
+
+def _complete_step_log(storage: RunStorage, step: int) -> None:
+    """A crash between a step's trainer checkpoint and its log line loses the line: write it
+    from the record the trainer checkpoint kept."""
+    records = [json.loads(ln) for ln in storage.read_lines(STEPS_LOG)]
+    logged = {r.get("step") for r in records if "event" not in r}
+    if step > 0 and step not in logged:
+        record = read_step_record(storage, step)
+        if record is not None:
+            record |= {"logged_from": "trainer_checkpoint"}
+            storage.append_line(STEPS_LOG, json.dumps(record))
+
+
+def _announce(storage: RunStorage, plan: RestorePlan) -> None:
+    """Say what the restore chose and skipped, on the terminal and in the step log."""
+    for uri, reason in plan.choice.skipped:
+        print(f"Snapshot {uri} is unusable ({reason}); falling back to the previous one",
+              flush=True)  # fmt: skip
+    print(f"Selected rollout recovery snapshot: {plan.choice.snapshot}", flush=True)
+    event = {"event": "restore", "snapshot": plan.choice.snapshot, "step": plan.step,
+             "skipped": [{"snapshot": u, "reason": r} for u, r in plan.choice.skipped]}  # fmt: skip
+    storage.append_line(STEPS_LOG, json.dumps(event))
 
 
 def train(
     cfg: RolloutRecoveryConfig, ray_address: str = "local", restore: bool = False
 ) -> list[dict]:
-    """Run (or, with restore, continue) GRPO. Restore loads the newest published snapshot, the
-    trainer checkpoint of the same step, and resumes the step in progress from its ledger."""
+    """Run (or, with restore, continue) GRPO. A fresh run refuses a location that already
+    holds a run; restore continues the run from its newest usable snapshot and the trainer
+    checkpoint of the same step."""
     g = cfg.grpo
     torch.manual_seed(g.seed)
-    run_dir = Path(cfg.checkpointing.checkpoint_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "steps.jsonl"
+    storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+    storage.check_writable()
+    plan = None
+    if restore:
+        plan = plan_restore(cfg, storage)
+        if plan is None:
+            print(f"Nothing to restore under {storage.display()}: starting from step 0", flush=True)
+    else:
+        found = run_has_state(storage)
+        if found:
+            raise RunExistsError(
+                f"checkpointing.checkpoint_dir={storage.display()} already holds a run "
+                f"({', '.join(found)}); continue it with `train --restore`, or choose another "
+                "checkpointing.checkpoint_dir (nothing was deleted)"
+            )
+    weights_dir = storage.local_path("weights")
+    scratch = None
+    if weights_dir is None:  # the workers reload weights from a local directory
+        scratch = tempfile.TemporaryDirectory(prefix="rollout-recovery-weights-")
+        weights_dir = Path(scratch.name)
+    model = load_policy(resolve_model_path(cfg.policy.model_path))
+    opt = torch.optim.AdamW(model.parameters(), lr=g.learning_rate)
+    start = 0
+    if plan is not None:
+        _announce(storage, plan)
+        start = plan.step
+        if plan.meta is not None:
+            load_trainer_checkpoint(plan.state, plan.meta, model, opt)
+        _complete_step_log(storage, start)
     rr = SingleController(cfg, ray_address)
     history = []
     try:
-        model = load_policy(resolve_model_path(cfg.policy.model_path))
-        opt = torch.optim.AdamW(model.parameters(), lr=g.learning_rate)
-        start = 0
-        if restore:
-            ledger = rr.restore(cfg.rollout_checkpointing.restore_mode)
-            if ledger is None:
-                print(
-                    f"No published snapshot under {run_dir / 'data_plane'}: starting from step 0 "
-                    "(checkpointing.save_data_plane=true makes runs restorable)",
-                    flush=True,
-                )
-            else:
-                print(f"Selected rollout recovery snapshot: {ledger['snapshot']}", flush=True)
-                start = ledger["step"]
-                if start > 0:
-                    ckpt = _trainer_dir(run_dir, start)
-                    if not (ckpt / "meta.json").exists():
-                        raise RuntimeError(
-                            f"snapshot is for trainer step {start} but {ckpt} is missing; "
-                            "restore needs the trainer checkpoint the snapshot followed"
-                        )
-                    load_trainer_checkpoint(ckpt, model, opt)
-                    rr.push_weights(
-                        str(export_weights(model, run_dir / "weights")), ledger["weight_version"]
-                    )
+        if plan is not None:
+            rr.restore(plan.choice.snapshot)
+            if plan.meta is not None:
+                rr.push_weights(str(_export(model, weights_dir)),
+                                plan.choice.ledger["weight_version"],
+                                plan.choice.ledger["model"]["weights_sha256"])  # fmt: skip
         bar = tqdm(range(start, g.steps), desc="grpo", unit="step", initial=start, total=g.steps)
         for step in bar:
-            rr.set_step(step)
-            before = rr.counters()
-            t0 = time.monotonic()
-            prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
-            groups = [(f"s{step:04d}-p{i:03d}", msgs) for i, msgs in enumerate(prompts)]
-
-            def seeds(gi: int, gen: int, step: int = step) -> int:
-                return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen
-
-            results = rr.submit_groups(groups, seeds, digit_reward)
-            gen_s = time.monotonic() - t0
-            tokens = sum(r.generated_tokens for r in results)
-            lease = rr.take_batch(len(groups) * g.generations_per_prompt)
-            _write_batch(run_dir / "batches" / f"step-{step + 1:06d}.arrow", lease.rows)
-            _write_states(run_dir / "batches" / f"step-{step + 1:06d}.states.json", results)
-            ids, attn, mask, old, rewards = _batch_tensors(lease.rows)
-            adv = group_advantages(rewards, g.generations_per_prompt)
-            loss = clipped_pg_loss(token_logprobs(model, ids, attn), old, adv, mask)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            rr.ack(lease)
-            version = rr.push_weights(str(export_weights(model, run_dir / "weights")))
-            c0 = time.monotonic()
-            save_trainer_checkpoint(
-                _trainer_dir(run_dir, step + 1), model, opt,
-                {"step": step + 1, "data_cursor": step + 1},
-            )  # fmt: skip
-            snap = rr.notify_trainer_checkpoint(step + 1)
-            keep = cfg.rollout_checkpointing.keep_latest_k + 1
-            for old in sorted((run_dir / "trainer").glob("step-*"))[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
-            ckpt_s = time.monotonic() - c0
-            record = {
-                "step": step + 1,
-                "loss": loss.item(),
-                "mean_reward": float(rewards.mean()),
-                "generated_tokens": tokens,
-                "tokens_per_s": tokens / gen_s if gen_s else 0.0,
-                "weight_version": version,
-                "checkpoint_s": ckpt_s,
-                "snapshot_s": snap["snapshot_s"],
-                "batch_digest": _batch_digest(lease.rows),
-                **{k: v - before.get(k, 0) for k, v in rr.counters().items()},
-            }
+            record = _train_step(cfg, rr, storage, model, opt, step, weights_dir)
             history.append(record)
-            with open(log_path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
             bar.write(_step_line(record))
     finally:
         rr.close()
+        if scratch is not None:
+            scratch.cleanup()
     return history
+
+
+def _export(model, weights_dir: Path) -> Path:
+    """The weights the workers reload, as a local safetensors directory."""
+    try:
+        return export_weights(model, weights_dir)
+    except OSError as err:
+        raise CheckpointWriteError(
+            f"cannot write the weights to push to {weights_dir}: {err.strerror or err}; free "
+            "space or fix permissions there, then continue with `train --restore`"
+        ) from None
+
+
+def _train_step(cfg, rr, storage: RunStorage, model, opt, step: int, weights_dir: Path) -> dict:
+    g = cfg.grpo
+    rr.set_step(step)
+    before = rr.counters()
+    t0 = time.monotonic()
+    prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
+    groups = [(f"s{step:04d}-p{i:03d}", msgs) for i, msgs in enumerate(prompts)]
+
+    def seeds(gi: int, gen: int, step: int = step) -> int:
+        return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen
+
+    results = rr.submit_groups(groups, seeds, digit_reward)
+    gen_s = time.monotonic() - t0
+    tokens = sum(r.generated_tokens for r in results)
+    lease = rr.take_batch(len(groups) * g.generations_per_prompt)
+    storage.write_bytes(f"batches/step-{step + 1:06d}.arrow", _batch_bytes(lease.rows))
+    storage.write_bytes(f"batches/step-{step + 1:06d}.states.json", _states_json(results))
+    loss, reward, gap = grpo_step(model, opt, lease.rows, g.generations_per_prompt)
+    rr.ack(lease)
+    version = rr.push_weights(str(_export(model, weights_dir)))
+    c0 = time.monotonic()
+    record = {
+        "step": step + 1,
+        "loss": loss,
+        "mean_reward": reward,
+        "rollout_logprob_gap": gap,
+        "generated_tokens": tokens,
+        "tokens_per_s": tokens / gen_s if gen_s else 0.0,
+        "weight_version": version,
+        "batch_digest": _batch_digest(lease.rows),
+        **{k: v - before.get(k, 0) for k, v in rr.counters().items()},
+    }
+    try:
+        save_trainer_checkpoint(
+            storage, step + 1, model, opt, {"step": step + 1, "data_cursor": step + 1},
+            log_record=record | {"checkpoint_s": None, "snapshot_s": None},
+        )  # fmt: skip
+    except StorageError as err:
+        raise CheckpointWriteError(
+            f"cannot write the trainer checkpoint of step {step + 1}: {err}; free space or fix "
+            "permissions under checkpointing.checkpoint_dir, then continue with "
+            "`train --restore` (nothing was deleted)"
+        ) from None
+    crash_point("after_trainer_checkpoint")
+    snap = rr.notify_trainer_checkpoint(step + 1)
+    if "failed" in snap:
+        print(f"rollout snapshot after trainer step {step + 1} failed ({snap['failed']} in a "
+              "row; see checkpoints.jsonl); the run goes on", flush=True)  # fmt: skip
+    crash_point("after_trainer_snapshot")
+    _prune_trainer_checkpoints(storage, cfg.rollout_checkpointing.keep_latest_k)
+    record |= {"checkpoint_s": time.monotonic() - c0, "snapshot_s": snap["snapshot_s"]}
+    storage.append_line(STEPS_LOG, json.dumps(record))
+    return record

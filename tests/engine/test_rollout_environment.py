@@ -130,3 +130,48 @@ def test_prefix_level_restore_resumes_the_cut_call_of_turn_2(capture_worker, tin
     np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
     np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
     np.testing.assert_array_equal(row.logprobs, ref_row.logprobs)
+
+
+def _stray_rows(store, *keys: str) -> None:
+    from rollout_recovery.data_plane.digest import chain_digests
+    from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table
+
+    rows = []
+    for key in keys:
+        rollout, call, attempt, _ = key.split("/")
+        rows.append(
+            ChunkRow(key=key, rollout_id=rollout, model_call_id=call, attempt=int(attempt[1:]),
+                     chunk_seq=0, token_ids=np.array([5, 6], np.int32),
+                     logprobs=np.zeros(2, np.float32) - 1, weight_version=0, prev_len=0,
+                     digest=chain_digests([[5, 6]])[0], prompt_token_ids=np.array([1], np.int32))
+        )  # fmt: skip
+    store.put("rollout_staging", chunk_rows_to_table(rows))
+
+
+def test_chunk_rows_do_not_outlive_their_calls(capture_worker, tiny_cfg):
+    """Rows of calls that finished or died (no resume follows) are gone after the next
+    checkpoint, and after a restore only the rows its continuations name are left."""
+    worker, store = capture_worker
+    cfg = _cfg(tiny_cfg, "prefix", 160)
+    env = RolloutEnvironment(cfg, [worker], store)
+    _stray_rows(store, "sweep-a-g0/c0/a0/c000000", "sweep-a-g1/c2/a1/c000003")
+    env.prepare("ckpt-sweep", lease_s=60)
+    records = env.commit("ckpt-sweep")
+    env.resume("ckpt-sweep")
+    env.close()
+    assert records["chunk_rows_swept"] >= 2
+    assert store.list("rollout_staging", "sweep-a-") == []
+
+    _stray_rows(store, "sweep-b-g0/c1/a0/c000000", "sweep-b-g0/c1/a0/c000001",
+                "sweep-b-g1/c0/a0/c000000")  # fmt: skip
+    kept = {"call_id": "c1", "attempt": 0, "tokens": 4, "digest": "00",
+            "keys": ["sweep-b-g0/c1/a0/c000000", "sweep-b-g0/c1/a0/c000001"]}  # fmt: skip
+    record = {"format": 1, "rollout_id": "sweep-b-g0", "group_id": "sweep-b", "seed": 1,
+              "generation_index": 0, "attempt": 0, "messages": MESSAGES,
+              "state": {"tally": 0, "effects": []}, "turns": [], "continuation": kept}  # fmt: skip
+    fresh = RolloutEnvironment(cfg, [worker], store)
+    fresh.begin_restore("r-sweep")
+    fresh.end_restore("r-sweep", [record])
+    fresh.close()
+    assert store.list("rollout_staging", "sweep-b-") == kept["keys"]
+    store.delete("rollout_staging", kept["keys"])

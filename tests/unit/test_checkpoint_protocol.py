@@ -13,6 +13,7 @@ import pytest
 from rollout_recovery.api import RolloutRecovery
 from rollout_recovery.config import load_config
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
+from rollout_recovery.errors import CheckpointWriteError
 
 
 class _Method:
@@ -97,9 +98,39 @@ def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
         return await orig(reason)
 
     rr.checkpoint = counted
-    with pytest.raises(OSError):
+    with pytest.raises(CheckpointWriteError, match=r"3 rollout checkpoint attempts failed"):
         asyncio.run(asyncio.wait_for(rr._checkpoint_cadence(), timeout=10))
     assert len(calls) == 3 and all(not f.held for f in fakes)
+    failed = (tmp_path / "checkpoints.jsonl").read_text().splitlines()
+    assert len(failed) == 3 and all("disk full" in line for line in failed)
+
+
+def test_a_failed_snapshot_after_a_trainer_checkpoint_counts_like_any_other(tmp_path):
+    """It does not stop the run by itself; it adds to the same count as cadence attempts."""
+    rr, fakes = _rr(tmp_path, 3, "checkpointing.save_data_plane=true")
+    assert rr.notify_trainer_checkpoint(1) == {"snapshot_s": None, "failed": 1}
+    assert rr.notify_trainer_checkpoint(2) == {"snapshot_s": None, "failed": 2}
+    with pytest.raises(CheckpointWriteError, match="max_consecutive_failures=3"):
+        rr.notify_trainer_checkpoint(3)
+    assert all(not f.held for f in fakes)
+
+
+class RaisingEnv(LocalActor):
+    """An environment whose release step raises something other than a protocol error."""
+
+    def __getattr__(self, name):
+        if name == "resume":
+            return _Method(lambda ckpt: (_ for _ in ()).throw(RuntimeError("env lost")))
+        return super().__getattr__(name)
+
+
+def test_fences_are_released_whatever_the_environment_raises_on_release(tmp_path):
+    rr, fakes = _rr(tmp_path)
+    rr.env = RaisingEnv(rr.env.obj)
+    with pytest.raises(OSError, match="disk full"):
+        asyncio.run(rr.checkpoint("cadence"))
+    assert all(f.begun == [1] and not f.held for f in fakes)
+    assert rr.stats["release_errors"] == 1
 
 
 def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path):

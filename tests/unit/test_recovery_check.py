@@ -47,13 +47,13 @@ def test_turn_lengths_are_the_runs_of_the_loss_mask():
 def test_exactly_once_and_prefix_plus_tail(tmp_path):
     _batch(tmp_path, [0, 0, 1, 1, 0, 1, 1, 1, 1, 1])  # turn c1 is 5 tokens = 3 + 2
     args = SimpleNamespace(level="prefix")
-    assert rc.check_restored_once(args, _killed(), tmp_path, TOTAL) == []
-    wrong = rc.check_restored_once(args, _killed(), tmp_path, TOTAL | {"restored_episodes": 3})
+    assert rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL) == []
+    wrong = rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL | {"restored_episodes": 3})
     assert wrong == ["3 episodes re-admitted, the snapshot holds 2 unfinished"]
-    short = rc.check_restored_once(args, _killed(), tmp_path, TOTAL | {"tail_tokens": 1})
+    short = rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL | {"tail_tokens": 1})
     assert short == ["resumed calls are 5 tokens long, but prefix 3 + tail 1 = 4"]
     fell_back = {"worker_resumes_accepted": 0, "worker_resumes_refused": 1}
-    refused = rc.check_restored_once(args, _killed(), tmp_path, TOTAL | fell_back)
+    refused = rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL | fell_back)
     assert refused[0].startswith("the workers resumed 0 calls and refused 1")
 
 
@@ -65,5 +65,5 @@ def test_tool_states_must_match_and_apply_each_effect_once(tmp_path):
     ):
         (d / "batches").mkdir(parents=True)
         (d / "batches" / "step-000001.states.json").write_text(json.dumps(states))
-    [msg] = rc.compare_states(ref, rec, 1, max_turns=3)
+    [msg] = rc.compare_states(str(ref), str(rec), 1, max_turns=3)
     assert msg.startswith("step 1: b ended with tool state {'tally': 4")

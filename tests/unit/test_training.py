@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from rollout_recovery.training.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from rollout_recovery.storage import RunStorage
+from rollout_recovery.training.checkpoint import (
+    TrainerCheckpointError,
+    load_trainer_checkpoint,
+    read_trainer_meta,
+    read_trainer_state,
+    save_trainer_checkpoint,
+)
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
 from rollout_recovery.training.task import digit_reward, make_prompts
@@ -65,17 +74,25 @@ def test_trainer_checkpoint_round_trip_is_exact(tiny_model_dir, tmp_path):
     loss = token_logprobs(model, ids, torch.ones_like(ids)).mean()
     loss.backward()
     opt.step()
-    save_trainer_checkpoint(tmp_path / "ckpt", model, opt, {"step": 3, "cursor": 17})
+    storage = RunStorage(str(tmp_path / "run"))
+    saved = save_trainer_checkpoint(storage, 3, model, opt, {"step": 3, "cursor": 17})
     expected_next = torch.rand(3)
     torch.manual_seed(999)
     model2 = load_policy(tiny_model_dir)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=5.0)
-    extra = load_trainer_checkpoint(tmp_path / "ckpt", model2, opt2)
+    meta = read_trainer_meta(storage, 3)
+    assert meta == json.loads(json.dumps(saved, default=list))
+    extra = load_trainer_checkpoint(read_trainer_state(storage, 3, meta), meta, model2, opt2)
     assert extra == {"step": 3, "cursor": 17}
     assert torch.equal(torch.rand(3), expected_next)  # RNG restored
     for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
     assert opt2.param_groups[0]["lr"] == 1e-3
+    # The model digest does not depend on which file holds the tensors.
+    from rollout_recovery.model_identity import directory_weights_digest
+
+    exported = export_weights(model2, tmp_path / "w")
+    assert directory_weights_digest(exported) == meta["weights_sha256"]
     # One more identical step from both gives identical weights.
     for m, o in ((model, opt), (model2, opt2)):
         o.zero_grad()
@@ -83,12 +100,46 @@ def test_trainer_checkpoint_round_trip_is_exact(tiny_model_dir, tmp_path):
         o.step()
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
-    assert not (tmp_path / "ckpt.tmp").exists()
     out = export_weights(model, tmp_path / "push")
     assert (out / "model.safetensors").is_file()
+
+
+def test_an_altered_or_incomplete_trainer_checkpoint_is_refused(tiny_model_dir, tmp_path):
+    model = load_policy(tiny_model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    storage = RunStorage(str(tmp_path / "run"))
+    save_trainer_checkpoint(storage, 1, model, opt, {"step": 1})
+    state = tmp_path / "run" / "trainer" / "step-000001" / "state.safetensors"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    state.write_bytes(bytes(data))
+    meta = read_trainer_meta(storage, 1)
+    with pytest.raises(TrainerCheckpointError, match="fails its sha256 check"):
+        read_trainer_state(storage, 1, meta)
+    (tmp_path / "run" / "trainer" / "step-000001" / "meta.json").unlink()
+    with pytest.raises(TrainerCheckpointError, match="missing or incomplete"):
+        read_trainer_meta(storage, 1)
 
 
 def test_toy_task():
     prompts = make_prompts(5, seed=0)
     assert prompts == make_prompts(5, seed=0) and len(prompts) == 5
     assert digit_reward("12 a4") == 0.75 and digit_reward("") == 0.0
+
+
+def test_training_refuses_rows_without_generation_logprobs():
+    import numpy as np
+
+    from rollout_recovery.data_plane import ReplayRow, replay_rows_to_table
+    from rollout_recovery.training.driver import TrainingDataError, _batch_tensors
+
+    def row(i: int, logprobs):
+        return ReplayRow(key=f"g/{i:03d}", rollout_id=f"g-g{i}", group_id="g",
+                         generation_index=i, prompt_len=1, token_ids=np.array([1, 2], np.int32),
+                         loss_mask=np.array([0, 1], np.int8), logprobs=logprobs, reward=1.0,
+                         weight_version_min=0, weight_version_max=0)  # fmt: skip
+
+    good = np.array([0.0, -0.5], np.float32)
+    assert _batch_tensors(replay_rows_to_table([row(0, good), row(1, good)]))[3].shape == (2, 1)
+    with pytest.raises(TrainingDataError, match="replay row g/001 has no generation logprobs"):
+        _batch_tensors(replay_rows_to_table([row(0, good), row(1, None)]))

@@ -1,0 +1,143 @@
+"""Choosing what to restore, and refusing a restore that would corrupt or destroy a run.
+
+Every check here reads only files, so a refusal comes before any worker starts and before any
+model is loaded, and it deletes nothing. The newest published snapshot that verifies (manifest,
+sidecars and every data file against their sha256), whose ledger is readable and whose paired
+trainer checkpoint verifies is chosen; each newer one that does not is reported with its
+reason. When snapshots exist but none is usable, the restore is refused with the list: it never
+silently starts the run over (that would overwrite the old run's checkpoints and let retention
+delete its snapshots).
+
+A snapshot records the model that decoded its tokens (`model_identity`); a restore with another
+model is refused, since its in-flight calls would be continued by other weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rollout_recovery.data_plane import SnapshotError, StagingStore
+from rollout_recovery.data_plane.snapshot_io import published_uris
+from rollout_recovery.errors import RestoreError
+from rollout_recovery.storage import RunStorage
+
+LEDGER = "ledger.json"
+LEDGER_FORMAT = 3  # 3: the model identity (base model, weight version and digest)
+LEVELS = ("none", "turn", "prefix")
+DATA_PLANE = "data_plane"
+
+
+class SnapshotUnusable(Exception):
+    """A snapshot cannot be restored; `str()` is the reason (reported, then the previous one
+    is tried)."""
+
+
+@dataclass
+class SnapshotChoice:
+    snapshot: str
+    ledger: dict
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (uri, reason), newest first
+    extra: dict = field(default_factory=dict)  # what `accept` returned for the chosen one
+
+
+def read_ledger(uri: str) -> dict:
+    """The snapshot's verified ledger; SnapshotUnusable when it is unreadable or too old."""
+    try:
+        ledger = json.loads(StagingStore.read_sidecar(uri, LEDGER))
+    except SnapshotError as err:
+        raise SnapshotUnusable(str(err)) from None
+    except ValueError:
+        raise SnapshotUnusable(f"its {LEDGER} is not JSON") from None
+    if not isinstance(ledger, dict) or ledger.get("format") != LEDGER_FORMAT:
+        got = ledger.get("format") if isinstance(ledger, dict) else None
+        raise SnapshotUnusable(
+            f"its ledger has format {got!r}, this version restores format {LEDGER_FORMAT} "
+            "(format 2 ledgers predate the model identity a restore must check)"
+        )
+    missing = [k for k in ("step", "weight_version", "level", "model", "continuations")
+               if k not in ledger]  # fmt: skip
+    if missing:
+        raise SnapshotUnusable(f"its ledger lacks {missing}")
+    return ledger
+
+
+def select_snapshot(
+    root_uri: str,
+    mode: str,
+    level: str,
+    accept: Callable[[str, dict], dict] | None = None,
+) -> SnapshotChoice | None:
+    """The newest usable snapshot under `root_uri` (`mode="trainer_checkpoint"`: among those
+    taken right after a trainer checkpoint). `accept(uri, ledger)` may add checks (raising
+    SnapshotUnusable to fall back) and returns extra facts for the chosen one. Returns None when
+    nothing is published; raises RestoreError when snapshots exist and none is usable, or when
+    the newest usable one holds finer-level state than `level`."""
+    try:
+        uris = published_uris(root_uri)
+    except SnapshotError as err:
+        raise RestoreError(f"cannot list snapshots under {root_uri}: {err}") from None
+    skipped: list[tuple[str, str]] = []
+    for uri in reversed(uris):
+        try:
+            manifest = StagingStore.verify(uri, use_cache=False)
+            if mode == "trainer_checkpoint" and manifest.body.meta.get("reason") != (
+                "trainer_checkpoint"
+            ):
+                continue
+            ledger = read_ledger(uri)
+            extra = accept(uri, ledger) if accept is not None else {}
+        except (SnapshotError, SnapshotUnusable) as err:
+            skipped.append((uri, " ".join(str(err).split())))
+            continue
+        _check_level(uri, ledger, level)
+        return SnapshotChoice(uri, ledger, skipped, extra)
+    if skipped:
+        listing = "; ".join(f"{u}: {r}" for u, r in skipped)
+        raise RestoreError(
+            f"no usable snapshot under {root_uri} ({len(skipped)} found, none restorable: "
+            f"{listing}); nothing was deleted. Repair or move the damaged files, or start a new "
+            "run on purpose in another checkpointing.checkpoint_dir"
+        )
+    return None
+
+
+def _check_level(uri: str, ledger: dict, level: str) -> None:
+    taken = ledger.get("level", "none")
+    unfinished = ledger["continuations"] or ledger.get("episodes")
+    if unfinished and LEVELS.index(taken) > LEVELS.index(level):
+        raise RestoreError(
+            f"snapshot {uri} holds {taken}-level recovery state; restore it with "
+            f"rollout_recovery.target_level={taken}, or use "
+            "rollout_checkpointing.restore_mode=trainer_checkpoint"
+        )
+
+
+def check_model(uri: str, ledger: dict, identity: dict) -> None:
+    """Refuse a snapshot whose tokens another model decoded (compared before anything loads)."""
+    recorded = ledger["model"]["base"]
+    if recorded.get("sha256") is None or identity.get("sha256") is None:
+        same = recorded.get("path") == identity.get("path")  # hub models: by name only
+    else:
+        same = recorded["sha256"] == identity["sha256"]
+    if not same:
+        raise RestoreError(
+            f"snapshot {uri} was taken with model {recorded.get('path')} (weights sha256 "
+            f"{str(recorded.get('sha256'))[:12]}), but policy.model_path={identity.get('path')} "
+            f"has sha256 {str(identity.get('sha256'))[:12]}: its in-flight calls would be "
+            "continued by other weights. Restore with the model the run was started with, or "
+            "start a new run in another checkpointing.checkpoint_dir"
+        )
+
+
+def run_has_state(storage: RunStorage) -> list[str]:
+    """What a run left in this location (empty when the location holds no run)."""
+    found = []
+    if storage.read_lines("steps.jsonl"):
+        found.append("steps.jsonl")
+    if any(n.startswith("step-") for n in storage.list_dir("trainer")):
+        found.append("trainer checkpoints")
+    if any(n.startswith("snapshot-") for n in storage.list_dir(DATA_PLANE)):
+        found.append("data-plane snapshots")
+    return found

@@ -1,0 +1,165 @@
+"""A run's checkpoint location on any pyarrow filesystem: a local path or a URI (`s3://...`).
+
+Everything a run keeps under `checkpointing.checkpoint_dir` goes through here (data-plane
+snapshots take their own root URI from `child_uri`): trainer checkpoints, the step and
+checkpoint logs, the training batches kept for parity checks. Names are joined as URI paths,
+never with `os.path.join` (which turns `s3://bucket/run` into `s3:/bucket/run`), and a URI's
+query options (an endpoint, a region) are kept on every child.
+
+Writes are atomic per file: locally a temporary file is fsynced and renamed over the target,
+then the directory is fsynced; on object stores a single PUT is atomic. Logs are appended
+locally (fsynced per line); object stores have no append, so a log there is rewritten whole
+(logs are small). An I/O failure raises `StorageError` naming the location and the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from rollout_recovery.data_plane.snapshot_io import child_uri, join, resolve
+
+
+class StorageError(OSError):
+    """A write or read under the checkpoint location failed; the message is one line."""
+
+
+class RunStorage:
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.fs, self.root = resolve(uri)
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"RunStorage({self.display()})"
+
+    def display(self, rel: str = "") -> str:
+        """A location for messages: the path or URI without credentials or options."""
+        where = join(self.root, rel) if rel else self.root
+        if self.local:
+            return where
+        scheme = self.uri.split("://", 1)[0]
+        return f"{scheme}://{where}"
+
+    def child_uri(self, *parts: str) -> str:
+        uri = self.uri
+        for part in parts:
+            uri = child_uri(uri, part)
+        return uri
+
+    def path(self, rel: str) -> str:
+        return join(self.root, rel) if rel else self.root
+
+    def local_path(self, rel: str = "") -> Path | None:
+        return Path(self.path(rel)) if self.local else None
+
+    # ------------------------------------------------------------------ checks
+
+    def check_writable(self) -> None:
+        """Create the root and write, read back and delete a probe file, so that a read-only
+        or unreachable location fails before a run starts."""
+        probe = f".write-probe-{uuid.uuid4().hex[:8]}"
+        try:
+            self.fs.create_dir(self.root, recursive=True)
+            self.write_bytes(probe, b"probe")
+            if self.read_bytes(probe) != b"probe":
+                raise OSError("a probe file read back different bytes")
+        except OSError as err:
+            raise StorageError(
+                f"cannot write to checkpointing.checkpoint_dir {self.display()}: {_reason(err)}; "
+                "make it writable or point checkpointing.checkpoint_dir elsewhere"
+            ) from None
+        finally:
+            with contextlib.suppress(OSError):
+                self.fs.delete_file(self.path(probe))
+
+    # ------------------------------------------------------------------ files
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.path(rel)).type != pafs.FileType.NotFound
+
+    def is_dir(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.path(rel)).type == pafs.FileType.Directory
+
+    def list_dir(self, rel: str) -> list[str]:
+        """Names directly under `rel` (empty when it does not exist)."""
+        selector = pafs.FileSelector(self.path(rel), allow_not_found=True)
+        return sorted(info.base_name for info in self.fs.get_file_info(selector))
+
+    def read_bytes(self, rel: str) -> bytes:
+        """The file's bytes; FileNotFoundError when it does not exist."""
+        if not self.exists(rel):
+            raise FileNotFoundError(self.display(rel))
+        with self.fs.open_input_stream(self.path(rel)) as f:
+            return f.read()
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Replace `rel` with `data` atomically (a reader sees the old or the new file)."""
+        target = self.path(rel)
+        parent = target.rsplit("/", 1)[0]
+        try:
+            self.fs.create_dir(parent, recursive=True)
+            if not self.local:
+                with self.fs.open_output_stream(target) as out:
+                    out.write(data)
+                return
+            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+            _fsync_dir(parent)
+        except OSError as err:
+            raise StorageError(f"cannot write {self.display(rel)}: {_reason(err)}") from err
+
+    def append_line(self, rel: str, line: str) -> None:
+        """Append one line to a log, durably."""
+        data = (line.rstrip("\n") + "\n").encode()
+        if not self.local:
+            old = self.read_bytes(rel) if self.exists(rel) else b""
+            self.write_bytes(rel, old + data)
+            return
+        target = self.path(rel)
+        try:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "ab") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as err:
+            raise StorageError(f"cannot append to {self.display(rel)}: {_reason(err)}") from err
+
+    def read_lines(self, rel: str) -> list[str]:
+        if not self.exists(rel):
+            return []
+        return [ln for ln in self.read_bytes(rel).decode().splitlines() if ln.strip()]
+
+    def delete_file(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_file(self.path(rel))
+
+    def delete_dir(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.delete_dir(self.path(rel))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _reason(err: OSError) -> str:
+    """`No space left on device`, `Read-only file system`, ... rather than a repr."""
+    return err.strerror or str(err) or type(err).__name__
