@@ -19,31 +19,10 @@ from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane.digest import chain_digests
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table
+from tests.engine.test_resume import _body, _chat
 
 pytestmark = pytest.mark.engine
 _ids = itertools.count()
-CONTENT = "What is 2 + 3?"
-
-
-def _body(rollout: str, attempt: int = 0, xargs: dict | None = None, **kw) -> dict:
-    return {
-        "model": "policy",
-        "messages": [{"role": "user", "content": CONTENT}],
-        "max_tokens": kw.pop("max_tokens", 48),
-        "temperature": 0.0,
-        "logprobs": True,
-        "return_token_ids": True,
-        "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": attempt}
-        | (xargs or {}),
-        **kw,
-    }
-
-
-def _chat(url: str, rollout: str, attempt: int = 0, xargs: dict | None = None, **kw) -> dict:
-    resp = httpx.post(f"{url}/v1/chat/completions", json=_body(rollout, attempt, xargs, **kw),
-                      timeout=300)  # fmt: skip
-    assert resp.status_code == 200, resp.text
-    return resp.json()
 
 
 def _stage(store, rollout: str, out: dict, ids: list[int], lps: list[float]) -> dict:

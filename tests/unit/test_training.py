@@ -143,3 +143,40 @@ def test_training_refuses_rows_without_generation_logprobs():
     assert _batch_tensors(replay_rows_to_table([row(0, good), row(1, good)]))[3].shape == (2, 1)
     with pytest.raises(TrainingDataError, match="replay row g/001 has no generation logprobs"):
         _batch_tensors(replay_rows_to_table([row(0, good), row(1, None)]))
+
+
+def test_a_step_does_not_depend_on_float_noise_in_the_generation_logprobs(tiny_model_dir):
+    """Resumed calls may report logprobs a few ulps off the uninterrupted run's (another batch
+    shape on the worker). The trainer's step must come out bit for bit the same anyway, or a
+    recovered run drifts from the uninterrupted one."""
+    import numpy as np
+
+    from rollout_recovery.data_plane import ReplayRow, replay_rows_to_table
+    from rollout_recovery.training.driver import grpo_step
+
+    rng = np.random.default_rng(0)
+
+    def table(noise: float):
+        rows = []
+        for i in range(4):
+            ids = rng.integers(3, 400, 12).astype(np.int32)
+            lps = np.full(12, -2.0, np.float32) + np.float32(noise)
+            rows.append(ReplayRow(key=f"g/{i:03d}", rollout_id=f"g-g{i}", group_id="g",
+                                  generation_index=i, prompt_len=4, token_ids=ids,
+                                  loss_mask=np.r_[np.zeros(4), np.ones(8)].astype(np.int8),
+                                  logprobs=lps, reward=float(i % 2), weight_version_min=0,
+                                  weight_version_max=0))  # fmt: skip
+        return replay_rows_to_table(rows)
+
+    states, losses = [], []
+    for noise in (0.0, 3e-7):
+        rng = np.random.default_rng(0)  # the same tokens for both batches
+        torch.manual_seed(0)
+        model = load_policy(tiny_model_dir)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loss, _, _ = grpo_step(model, opt, table(noise), group_size=4)
+        losses.append(loss)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert losses[0] == losses[1]
+    for name, tensor in states[0].items():
+        assert torch.equal(tensor, states[1][name]), name
