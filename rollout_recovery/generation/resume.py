@@ -126,19 +126,12 @@ def validate_chunks(
 def parse_continuation(extra: dict) -> tuple[list[str], int, str, int | None] | None:
     if RESUME_KEYS_ARG not in extra:
         return None
-    keys, tokens = extra[RESUME_KEYS_ARG], extra.get(RESUME_TOKENS_ARG)
-    digest, limit = extra.get(RESUME_DIGEST_ARG), extra.get(RESUME_LIMIT_ARG)
-    if (
-        not isinstance(keys, list)
-        or not keys
-        or not all(isinstance(k, str) for k in keys)
-        or not _is_int(tokens)
-        or tokens < 1
-        or not isinstance(digest, str)
-        or (limit is not None and not _is_int(limit))
-    ):
-        raise ResumeRefused("malformed_continuation", "keys, tokens and digest are required")
-    return keys, tokens, digest, limit
+    try:
+        check_continuation_fields(extra)
+    except ValueError as err:
+        raise ResumeRefused("malformed_continuation", str(err)) from None
+    return (extra[RESUME_KEYS_ARG], extra[RESUME_TOKENS_ARG], extra[RESUME_DIGEST_ARG],
+            extra.get(RESUME_LIMIT_ARG))  # fmt: skip
 
 
 def _is_int(value: Any) -> bool:

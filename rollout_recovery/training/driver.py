@@ -238,10 +238,10 @@ def _prune_trainer_checkpoints(storage: RunStorage, keep_latest_k: int) -> None:
                 continue
     except SnapshotError:
         return
-    oldest = min(paired) if paired else (steps[-keep_latest_k - 1] if len(steps) > keep_latest_k
-                                         else 0)  # fmt: skip
+    # Without snapshots (save_data_plane=false) nothing pairs: keep the newest k + 1.
+    keep = {s for s in steps if s >= min(paired)} if paired else set(steps[-keep_latest_k - 1 :])
     for step in steps[:-1]:
-        if step < oldest:
+        if step not in keep:
             storage.delete_dir(trainer_dir(step))
 
 
