@@ -2,24 +2,35 @@
 
     .venv/bin/python functional_tests/recovery_check.py --out DIR [--level prefix|turn]
         [--cuts 4] [--kills 1] [--storage local|s3] [--model DIR|hf://org/name] [--gpu]
-        [config overrides...]
+        [--seed N] [--min-identical-logprobs F] [--max-logprob-diff F] [config overrides...]
+    ... --out DIR2 --from-kill DIR [--fault NAME]   # restore DIR's killed run again
+    ... --out DIR --verify-only                      # verify DIR's runs again (local storage)
 
 1. reference: `rollout-recovery train` start to finish;
 2. kill k (of --kills): the run (fresh, then `--restore`) in its own process group, polled
    until a published snapshot of a later trainer step than the previous kill's holds at least
    --cuts recoverable cuts (prefix level: 0 < prefix < limit) or partly done episodes (turn
-   level: 0 < committed turns < max_turns); the group is frozen while that is confirmed, then
-   killed with SIGKILL, and none of its processes (Ray, engines) may be left;
+   level: 0 < committed turns < max_turns). The kill then lands at a random moment after that
+   snapshot (uniform in 0.1-1.0 snapshot intervals, --seed): the engines are frozen, what
+   each engine decoded per call attempt is read over the workers' control API, the whole
+   group is frozen, the newest published snapshot (the one a restore picks) is recorded with
+   how long before the kill it was taken, and the group is killed with SIGKILL; none of its
+   processes (Ray, engines) may be left;
 3. last phase: `rollout-recovery train --restore` finishes the run;
 4. parity: per step the same training batch (keys, token ids, loss masks, rewards, lengths),
-   the same loss and reward (exactly), generation logprob agreement, the episodes' final tool
-   states (each effect once), every restored episode re-admitted once and every cut call
-   resumed once, no superseded chunk keys left, the final trainer checkpoint byte-identical
-   to the reference's, and the tokens recovery saved against level none. Writes
-   DIR/parity.json, prints a table, and exits non-zero on any violation.
+   the same loss and reward (exactly), generation logprobs within thresholds, the episodes'
+   final tool states (each effect once), every restored episode re-admitted once, the final
+   trainer checkpoint byte-identical to the reference's, no superseded chunk keys left; and,
+   from the engines' own records (recovery_evidence.py): every cut call resumed by its
+   worker with exactly length - prefix tokens decoded, no committed turn decoded again, no
+   episode record refused. Per kill, the work lost to the crash is measured at the run's
+   level and at the coarser ones. Writes DIR/parity.json, prints a table, and exits
+   non-zero on any violation; each violation names its property in brackets.
 
-`--storage s3` puts every run's checkpoint_dir on a local S3 server (moto, 127.0.0.1) started
-by this check: snapshots, ledgers, trainer checkpoints and logs all go through pyarrow.fs.
+`--from-kill DIR` copies DIR's reference and the state its last kill left (kept in
+DIR/saved/) and runs only the last phase; with `--fault NAME` (rollout_recovery/faults.py)
+that phase runs deliberately broken, which the check must report. `--storage s3` puts every
+run's checkpoint_dir on a local S3 server (moto, 127.0.0.1) started by this check.
 """
 
 from __future__ import annotations
@@ -28,15 +39,28 @@ import argparse
 import contextlib
 import json
 import os
+import random
+import secrets
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 CLI = [str(REPO / ".venv" / "bin" / "rollout-recovery"), "train"]
+
+import recovery_evidence as evidence  # noqa: E402
+
+# Generation logprobs of a restored run against the reference, on CPU float32 (measured over
+# the functional runs, see the README): bit-identical where the resumed call's batch shape
+# matches the uninterrupted one, ~1e-7 apart where it does not. On a GPU use e.g. 0.5 and 1e-3
+# (kernels differ with batch shape more). A step below the share or above the difference fails.
+MIN_IDENTICAL_LOGPROBS = 0.5
+MAX_LOGPROB_DIFF = 1e-5
 
 
 def overrides(args, run_dir: str) -> list[str]:
@@ -48,6 +72,7 @@ def overrides(args, run_dir: str) -> list[str]:
         f"policy.generation.max_new_tokens={args.max_tokens}",
         f"rollout_checkpointing.snapshot_attempt_interval_s={args.interval}",
         "rollout_checkpointing.keep_latest_k=4",
+        f"token_capture.control_auth_token={args.token}",
         *device_overrides(args),
         *args.extra,
     ]
@@ -67,10 +92,12 @@ def device_overrides(args) -> list[str]:
     return out
 
 
-def run(cmd: list[str], log: Path) -> None:
+def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
     """Run a phase to completion; its log is kept beside the report."""
     with open(log, "w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False)
+        proc = subprocess.run(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False, env=env
+        )
     if proc.returncode != 0:
         sys.exit(f"FAIL: {' '.join(cmd[:3])} exited {proc.returncode}; see {log}")
 
@@ -103,7 +130,8 @@ def recoverable(args, snapshot_uri: str) -> tuple[int, dict]:
 
 def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     """Run (fresh for k == 1, else --restore) until a published snapshot of trainer step >=
-    min_step holds --cuts recoverable items, freeze, confirm, SIGKILL, check no survivors."""
+    min_step holds --cuts recoverable items, then kill at a random moment after it: freeze
+    the engines, read what they decoded, freeze everything, SIGKILL, check no survivors."""
     from rollout_recovery.data_plane.snapshot_io import published_uris
 
     log = open(args.out / f"phase{k}.log", "w")  # noqa: SIM115 - open for the child's lifetime
@@ -114,7 +142,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     )  # fmt: skip
     root = child(run_dir, "data_plane")
     deadline = time.monotonic() + args.timeout
-    chosen = None
+    chosen, kill_at, delay = None, None, 0.0
     tree: set[int] = set()
 
     def newest_if_ready() -> dict | None:
@@ -138,13 +166,26 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             sys.exit(f"FAIL: phase {k}: no snapshot with enough recoverable items in time")
         tree |= descendants(proc.pid)
-        if newest_if_ready() is not None:
+        if kill_at is None and newest_if_ready() is not None:
+            delay = args.rng.uniform(0.1, 1.0) * args.interval
+            kill_at = time.monotonic() + delay
+        if kill_at is not None and time.monotonic() >= kill_at:
+            workers = current_workers(run_dir, tree)
+            engines = {p for w in workers for p in w["engine_pids"]}
+            _signal_all(None, engines, signal.SIGSTOP)
+            frozen_at = time.time()
+            time.sleep(0.1)  # outputs already sent reach the workers' counters
+            before = read_engine_records(workers, args.token)
             # Freeze the run, then decide on what is published now: nothing newer can
             # appear before the kill, so the next phase restores exactly the chosen snapshot.
             _signal_all(proc.pid, tree, signal.SIGSTOP)
             chosen = newest_if_ready()
-            if chosen is None:
-                _signal_all(proc.pid, tree, signal.SIGCONT)
+            if chosen is None:  # a newer snapshot without enough items: wait for the next
+                _signal_all(proc.pid, tree | engines, signal.SIGCONT)
+                kill_at = None
+                continue
+            since = frozen_at - snapshot_time(chosen["snapshot"])
+            chosen |= {"engine_before": before, "kill_delay_s": delay, "after_snapshot_s": since}
         time.sleep(0.05)
     tree |= descendants(proc.pid)
     os.killpg(proc.pid, signal.SIGKILL)
@@ -162,8 +203,64 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     return chosen
 
 
-def _signal_all(pgid: int, pids: set[int], sig: int) -> None:
-    os.killpg(pgid, sig)
+def current_workers(run_dir: str, tree: set[int]) -> list[dict]:
+    """The workers of the running phase (`workers.json`, written by its controller at start;
+    a previous phase's file names processes that are gone)."""
+    from rollout_recovery.storage import RunStorage
+
+    workers = json.loads(RunStorage(run_dir).read_bytes("workers.json"))["workers"]
+    if not workers or any(w["pid"] not in tree for w in workers):
+        sys.exit("FAIL: workers.json does not name this phase's workers")
+    return workers
+
+
+def read_engine_records(workers: list[dict], token: str) -> list[dict]:
+    """Every call attempt each worker's engine has a record of, over its control API."""
+    import httpx
+
+    out = []
+    for w in workers:
+        since = 0
+        while True:
+            resp = httpx.get(f"{w['url']}/control/v1/call-attempts", params={"since": since},
+                             headers={"Authorization": f"Bearer {token}"}, timeout=30)  # fmt: skip
+            resp.raise_for_status()
+            page = resp.json()
+            if page["dropped"]:
+                sys.exit(f"FAIL: worker {w['index']} dropped {page['dropped']} attempt records")
+            out += [r | {"worker": w["index"]} for r in page["attempts"]]
+            if not page["attempts"]:
+                break
+            since = page["next"]
+    return out
+
+
+def snapshot_time(uri: str) -> float:
+    """When the snapshot was taken (its manifest's `created_at`), as a Unix time."""
+    from rollout_recovery.data_plane import StagingStore
+
+    return datetime.fromisoformat(StagingStore.manifest(uri).body.created_at).timestamp()
+
+
+def session_records(run_dir: str) -> list[list[dict]]:
+    """Each phase's engine records (`call_attempts/<session>.jsonl`, oldest session first),
+    the last record of each call attempt."""
+    from rollout_recovery.storage import RunStorage
+
+    storage = RunStorage(run_dir)
+    out = []
+    for name in sorted(storage.list_dir("call_attempts")):
+        latest = {}
+        for line in storage.read_lines(f"call_attempts/{name}"):
+            r = json.loads(line)
+            latest[(r["rollout_id"], r["model_call_id"], r["attempt"])] = r
+        out.append(list(latest.values()))
+    return out
+
+
+def _signal_all(pgid: int | None, pids: set[int], sig: int) -> None:
+    if pgid is not None:
+        os.killpg(pgid, sig)
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -284,11 +381,13 @@ RESTORE_COUNTERS = ("restored_episodes", "restored_calls", "restored_prefix_toke
                     "worker_resumes_accepted", "worker_resumes_refused")  # fmt: skip
 
 
-def check_restored_once(args, killed: dict, rec_dir: str, counts: dict) -> list[str]:
-    """Every unfinished episode of the restored snapshot was re-admitted once; at prefix
-    level every cut call was resumed once from its whole prefix, and prefix + tail is the
-    call's length in the training batch. `counts`: the restore counters of the step the
-    restore redid."""
+def check_restored_once(
+    args, killed: dict, rec_dir: str, counts: dict, after: list[dict]
+) -> list[str]:
+    """Every unfinished episode of the restored snapshot was re-admitted once, no episode
+    record failed closed, and the engines' records of the restore phase (`after`) show every
+    cut call resumed with exactly its tail decoded and no committed turn decoded again.
+    `counts`: the restore counters of the step the restore redid."""
     from rollout_recovery.data_plane.schemas import list_rows
 
     ledger, finished = killed["ledger"], set(killed["finished_keys"])
@@ -298,29 +397,21 @@ def check_restored_once(args, killed: dict, rec_dir: str, counts: dict) -> list[
     if counts["restored_episodes"] != len(unfinished):
         out.append(f"{counts['restored_episodes']} episodes re-admitted, the snapshot holds "
                    f"{len(unfinished)} unfinished")  # fmt: skip
-    if args.level != "prefix":
-        return out
-    cut = [e for e in unfinished if (e.get("continuation") or {}).get("keys")]
-    staged = sum(e["continuation"]["tokens"] for e in cut)
-    accepted, refused = counts["worker_resumes_accepted"], counts["worker_resumes_refused"]
-    if refused or accepted != counts["restored_calls"]:
-        out.append(f"the workers resumed {accepted} calls and refused {refused}; "
-                   f"{counts['restored_calls']} were sent with a prefix")  # fmt: skip
-    if (counts["restored_calls"], counts["restored_prefix_tokens"]) != (len(cut), staged):
-        out.append(f"{counts['restored_calls']} calls resumed from "
-                   f"{counts['restored_prefix_tokens']} tokens; the snapshot cut {len(cut)} "
-                   f"calls with {staged}")  # fmt: skip
+    refused = {k: v for k, v in counts.items() if k.startswith("restore_refused.") and v}
+    if refused:
+        out.append(f"[restore_refused] episode records started over: {refused}")
     table = batch(rec_dir, ledger["step"] + 1)
     masks = dict(zip(table.column("key").to_pylist(), list_rows(table, "loss_mask"), strict=True))
-    lengths = sum(
-        turn_lengths(masks[f"{e['group_id']}/{e['generation_index']:03d}"])[
-            int(e["continuation"]["call_id"][1:])
-        ]
-        for e in cut
-    )
-    if lengths != staged + counts["tail_tokens"]:
-        out.append(f"resumed calls are {lengths} tokens long, but prefix {staged} + tail "
-                   f"{counts['tail_tokens']} = {staged + counts['tail_tokens']}")  # fmt: skip
+    keys = {e["rollout_id"]: f"{e['group_id']}/{e['generation_index']:03d}" for e in unfinished}
+
+    def length_of(rollout: str, call: str) -> int | None:
+        runs = turn_lengths(masks[keys[rollout]]) if keys.get(rollout) in masks else []
+        return runs[int(call[1:])] if int(call[1:]) < len(runs) else None
+
+    out += evidence.check_engine_evidence(args.level, ledger, finished, after, length_of)
+    if args.level == "prefix" and counts["worker_resumes_refused"]:
+        out.append(f"[resumed] the workers refused {counts['worker_resumes_refused']} "
+                   "continuations")  # fmt: skip
     return out
 
 
@@ -399,17 +490,37 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="per call (default: by level)")
     ap.add_argument("--interval", type=float, default=0.4)
     ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--seed", type=int, default=None, help="kill delays (default: random)")
+    ap.add_argument("--min-identical-logprobs", type=float, default=MIN_IDENTICAL_LOGPROBS,
+                    help="least share of bit-identical generation logprobs per step")  # fmt: skip
+    ap.add_argument("--max-logprob-diff", type=float, default=MAX_LOGPROB_DIFF,
+                    help="largest |logprob difference| allowed per step")  # fmt: skip
+    ap.add_argument("--from-kill", type=Path, help="restore again the killed run kept in DIR")
+    ap.add_argument(
+        "--fault",
+        choices=["resume_disabled", "redecode_committed_turns"],
+        help="break the last phase on purpose (see rollout_recovery/faults.py)",
+    )
+    ap.add_argument("--verify-only", action="store_true", help="verify --out's runs again")
     ap.add_argument("--model", help="policy.model_path for every run (a dir or hf://org/name)")
     ap.add_argument("--gpu", action="store_true", help="run the engines on CUDA")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
     if args.max_tokens is None:
         args.max_tokens = 384 if args.level == "prefix" else 96
+    if args.seed is None:
+        args.seed = secrets.randbelow(2**31)
+    args.rng = random.Random(args.seed)
+    args.token = secrets.token_urlsafe(16)
+    if args.verify_only:
+        return verify_only(args)
     if kill_steps(args)[-1] >= args.steps:
         sys.exit(f"FAIL: {args.kills} kills need --steps > {kill_steps(args)[-1]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    for d in ("reference", "recovered"):
+    for d in ("reference", "recovered", "saved"):
         subprocess.run(["rm", "-rf", str(args.out / d)], check=True)
+    if args.from_kill:
+        return from_kill(args)
     server = None
     if args.storage == "s3":
         server, pattern = start_s3()
@@ -423,20 +534,80 @@ def main() -> int:
             server.stop()
 
 
+def copy_run(src: str, dst: str) -> None:
+    """Copy a run's whole checkpoint_dir (any pyarrow.fs location) to another location."""
+    import pyarrow.fs as pafs
+
+    from rollout_recovery.storage import RunStorage
+
+    a, b = RunStorage(src), RunStorage(dst)
+    pafs.copy_files(a.path(""), b.path(""), source_filesystem=a.fs, destination_filesystem=b.fs)
+
+
+def fault_env(args) -> dict | None:
+    if not args.fault:
+        return None
+    from rollout_recovery import faults
+
+    return os.environ | {faults.ENV: args.fault}
+
+
+def last_phase(args, rec_dir: str, k: int) -> None:
+    cmd = [*CLI, "--restore", "--config", config(args), *overrides(args, rec_dir)]
+    run(cmd, args.out / f"phase{k}.log", env=fault_env(args))
+
+
 def check(args, ref_dir: str, rec_dir: str) -> int:
     from rollout_recovery.config import load_config
 
     args.max_turns = load_config(config(args), overrides(args, ref_dir)).environment.max_turns
     t0 = time.monotonic()
     run([*CLI, "--config", config(args), *overrides(args, ref_dir)], args.out / "reference.log")
-    t_ref = time.monotonic() - t0
+    args.reference_s = time.monotonic() - t0
     kills = []
     for k, min_step in enumerate(kill_steps(args), start=1):
         kills.append(kill_phase(args, rec_dir, k, min_step))
-    last = args.out / f"phase{len(kills) + 1}.log"
-    run([*CLI, "--restore", "--config", config(args), *overrides(args, rec_dir)], last)
-    selected = [e["snapshot"] for e in restore_events(rec_dir)]
+    # Kept for --from-kill: the reference and the state the last kill left, on local disk.
+    copy_run(ref_dir, str(args.out / "saved" / "reference"))
+    copy_run(rec_dir, str(args.out / "saved" / "killed"))
+    (args.out / "saved" / "kills.json").write_text(json.dumps(kills))
+    last_phase(args, rec_dir, len(kills) + 1)
+    return report(args, ref_dir, rec_dir, kills)
 
+
+def from_kill(args) -> int:
+    """Restore the killed run kept in --from-kill again (in this --out), as its last phase."""
+    from rollout_recovery.config import load_config
+
+    saved = args.from_kill / "saved"
+    kills = json.loads((saved / "kills.json").read_text())
+    ref_dir, rec_dir = str(saved / "reference"), str(args.out / "recovered")
+    copy_run(str(saved / "killed"), rec_dir)
+    args.storage = "local"
+    args.max_turns = load_config(config(args), overrides(args, ref_dir)).environment.max_turns
+    args.reference_s = None
+    last_phase(args, rec_dir, len(kills) + 1)
+    return report(args, ref_dir, rec_dir, kills)
+
+
+def verify_only(args) -> int:
+    """Verify --out's reference and recovered runs again, from their files (local storage)."""
+    saved = json.loads((args.out / "parity.json").read_text())
+    for key in ("level", "max_turns", "fault", "cuts"):
+        setattr(args, key, saved[key])
+    args.storage, args.reference_s = "local", saved["reference_s"]
+    kills = json.loads((args.out / "kills.json").read_text())
+    return report(args, saved["reference_dir"], saved["recovered_dir"], kills)
+
+
+def snapshot_name(uri: str) -> str:
+    """A snapshot's directory name (URIs differ between a run and its copies)."""
+    return uri.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+
+
+def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
+    (args.out / "kills.json").write_text(json.dumps(kills))
+    selected = [e["snapshot"] for e in restore_events(rec_dir)]
     ref, rec = steps(ref_dir), steps(rec_dir)
     violations = []
     rows = []
@@ -461,12 +632,30 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
             # The trainer's step depends only on tokens, masks and rewards: equal, not close.
             violations.append(f"step {step}: loss differs by {loss_diff:.3g}")
         violations += compare_states(ref_dir, rec_dir, step, args.max_turns)
+    violations += evidence.check_logprobs(
+        details, args.min_identical_logprobs, args.max_logprob_diff
+    )
     total = {c: sum(rec[s].get(c, 0) for s in rec) for c in RESTORE_COUNTERS}
-    for killed in kills:
+    sessions = session_records(rec_dir)
+    [reference_records] = session_records(ref_dir)[-1:] or [[]]
+    lost = []
+    for k, killed in enumerate(kills):
         redone = rec.get(killed["ledger"]["step"] + 1, {})
+        after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
+        counts = {c: v for c, v in redone.items() if c in RESTORE_COUNTERS
+                  or c.startswith("restore_refused.")}  # fmt: skip
         violations += check_restored_once(
-            args, killed, rec_dir, {c: redone.get(c, 0) for c in RESTORE_COUNTERS}
+            args, killed, rec_dir, {c: counts.get(c, 0) for c in RESTORE_COUNTERS} | counts, after
         )
+        step = killed["ledger"]["step"]
+        lost.append(
+            evidence.lost_work(
+                evidence.of_step(killed["engine_before"], step),
+                evidence.of_step(after, step),
+                evidence.of_step(reference_records, step),
+                killed["ledger"], killed["finished_keys"], args.level,
+            ) | {"after_snapshot_s": killed["after_snapshot_s"]}
+        )  # fmt: skip
     final = max(ref)
     ref_ckpt, rec_ckpt = trainer_checkpoint_digest(ref_dir, final), trainer_checkpoint_digest(
         rec_dir, final)  # fmt: skip
@@ -478,40 +667,57 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
     lingering = old_keys & final_staging_keys(rec_dir)
     if lingering:
         violations.append(f"{len(lingering)} superseded chunk keys remain in the last snapshot")
-    # The work in flight at the crashes: level none decodes all of it again; recovery decodes
-    # only the tails of cut calls and the calls (turns) that were not saved.
-    kept = total["restored_prefix_tokens"] + total["restored_turn_tokens"]
-    decoded = total["tail_tokens"] + total["regenerated_tokens"]
-    none_level = kept + decoded
     restored = total["restored_calls" if args.level == "prefix" else "restored_episodes"]
     if restored < args.cuts * len(kills):
         what = "calls were resumed from a prefix" if args.level == "prefix" else "episodes resumed"
         violations.append(f"only {restored} {what} (< {args.cuts} per kill)")
-    if [k["snapshot"] for k in kills] != selected:
-        violations.append(f"the restores selected {selected}, the kills chose "
-                          f"{[k['snapshot'] for k in kills]}")  # fmt: skip
-    report = {
+    chosen = [snapshot_name(k["snapshot"]) for k in kills]
+    if [snapshot_name(u) for u in selected] != chosen:
+        violations.append(f"the restores selected {selected}, the kills chose {chosen}")
+    result = {
         "level": args.level,
         "storage": args.storage,
-        "reference_s": t_ref,
-        "kills": kills,
+        "fault": args.fault,
+        "cuts": args.cuts,
+        "max_turns": args.max_turns,
+        "reference_dir": ref_dir,
+        "recovered_dir": rec_dir,
+        "reference_s": args.reference_s,
+        "kills": [
+            {k: v for k, v in killed.items() if k not in ("ledger", "engine_before")}
+            for killed in kills
+        ],
         "selected": selected,
         "steps": [dict(zip(COLUMNS, r, strict=True)) for r in rows],
         "batches": details,
+        "logprob_thresholds": {
+            "min_identical": args.min_identical_logprobs,
+            "max_abs_diff": args.max_logprob_diff,
+        },
         **total,
+        "lost_work": lost,
         "final_trainer_checkpoint": {"reference": ref_ckpt, "recovered": rec_ckpt},
         "superseded_chunk_keys_left": len(lingering),
-        "interrupted_work_tokens_level_none": none_level,
-        "interrupted_work_tokens_decoded": decoded,
         "violations": violations,
     }
-    (args.out / "parity.json").write_text(json.dumps(report, indent=2))
+    (args.out / "parity.json").write_text(json.dumps(result, indent=2))
+    print_report(args, result, rows, details, final)
+    if violations:
+        print("FAIL:\n  " + "\n  ".join(violations))
+        return 1
+    print("recovery_check: 1 passed, 0 failed")
+    return 0
+
+
+def print_report(args, result: dict, rows: list, details: dict, final: int) -> None:
     unit = "recoverable cuts" if args.level == "prefix" else "partly done episodes"
+    fault = f"; deliberate fault: {args.fault}" if args.fault else ""
     print(f"\n{args.level}-level recovery parity ({args.out / 'parity.json'}; checkpoints on "
-          f"{args.storage} storage)")  # fmt: skip
-    for k, killed in enumerate(kills, start=1):
+          f"{args.storage} storage{fault})")  # fmt: skip
+    for k, killed in enumerate(result["kills"], start=1):
         print(f"kill {k}: at trainer step {killed['step']} with {killed['recoverable_cuts']} "
-              f"{unit}; {killed['processes_killed']} processes, none left")  # fmt: skip
+              f"{unit}, {killed['after_snapshot_s']:.2f} s after its snapshot; "
+              f"{killed['processes_killed']} processes, none left")  # fmt: skip
     print(f"{'step':>4} {'same batch':>11} {'|loss diff|':>12} {'same reward':>12} {'episodes':>9} "
           f"{'calls':>6} {'turn tok':>9} {'prefix tok':>11} {'generated':>10}")  # fmt: skip
     for r in rows:
@@ -523,22 +729,16 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
             f"max |diff| {d['logprobs_max_abs_diff']:.3g}, "
             f"Spearman {d['logprobs_spearman']:.6f}"
         )
-    same = "identical to" if ref_ckpt == rec_ckpt else "DIFFERENT from"
+    ckpt = result["final_trainer_checkpoint"]
+    same = "identical to" if ckpt["reference"] == ckpt["recovered"] else "DIFFERENT from"
     print(f"final trainer checkpoint (step {final}): {same} the reference "
-          f"(state sha256 {rec_ckpt['state.safetensors'][:16]})")  # fmt: skip
-    saved_from = (f"{total['restored_episodes']} episodes resumed with "
-                  f"{total['restored_turn_tokens']} committed-turn tokens kept")  # fmt: skip
-    if args.level == "prefix":
-        saved_from += (f", {total['restored_calls']} in-flight calls resumed from "
-                       f"{total['restored_prefix_tokens']} staged tokens")  # fmt: skip
-    saved = 1 - decoded / max(none_level, 1)
-    print(f"recovery savings: {saved_from}; the interrupted work cost {decoded} decoded tokens "
-          f"instead of {none_level} at level none ({saved:.0%} saved)")  # fmt: skip
-    if violations:
-        print("FAIL:\n  " + "\n  ".join(violations))
-        return 1
-    print("recovery_check: 1 passed, 0 failed")
-    return 0
+          f"(state sha256 {ckpt['recovered']['state.safetensors'][:16]})")  # fmt: skip
+    for k, lw in enumerate(result["lost_work"], start=1):
+        levels = [lv for lv in ("prefix", "turn", "none") if lv in lw]
+        vs = " vs ".join(f"{lw[lv]} at level {lv}" for lv in levels[1:])
+        print(f"kill {k}: work lost to the crash: {lw[levels[0]]} tokens at level {levels[0]} vs "
+              f"{vs} (of {lw['decoded_before_crash']} decoded before the crash; decoded after "
+              f"restore: {lw['decoded_after_restore']})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import ray
 
+from rollout_recovery import faults
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.data_plane import (
     LeaseResult,
@@ -53,6 +54,8 @@ from rollout_recovery.storage import RunStorage
 from rollout_recovery.tiny_model import resolve_model_path
 
 log = logging.getLogger("rollout_recovery")
+WORKERS_FILE = "workers.json"
+CALL_ATTEMPTS_DIR = "call_attempts"
 COUNTERS = (
     "checkpoints",
     "checkpoint_failures",
@@ -98,6 +101,8 @@ class RolloutRecovery:
         self.snapshot_root = self.storage.child_uri(DATA_PLANE)
         self.stats: Counter[str] = Counter()  # checkpoints, failures, fence hold seconds
         self.failures_in_a_row = 0
+        self.session = f"session-{time.time_ns()}"  # names this process's evidence log
+        self._attempt_cursors: list[int] = []
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -108,10 +113,45 @@ class RolloutRecovery:
         init_ray(self.ray_address, log_to_driver=False)
         self.store = StagingStore.create(num_shards=1)
         self.workers = start_workers(self.cfg, store=self.store)
-        env_cls = ray.remote(RolloutEnvironmentActor).options(num_cpus=0, max_concurrency=16)
+        env_cls = ray.remote(RolloutEnvironmentActor).options(
+            num_cpus=0, max_concurrency=16, **_fault_env()
+        )
         self.env = env_cls.remote(self.cfg, self.workers, self.store)
         ray.get(self.env.counters.remote())  # constructed
+        self._attempt_cursors = [0] * len(self.workers)
+        self._write_workers()
         return self
+
+    def _write_workers(self) -> None:
+        """`workers.json`: where this session's workers serve (URL, pids), so an operator or
+        a check can read their control routes (the bearer token is not written)."""
+        workers = [{"index": w.info.worker_index, "url": w.info.url, "pid": w.info.pid,
+                    "engine_pids": w.info.engine_pids} for w in self.workers]  # fmt: skip
+        body = {"session": self.session, "workers": workers}
+        try:
+            self.storage.write_bytes(WORKERS_FILE, json.dumps(body, indent=1).encode())
+        except OSError as err:  # a report for operators; the run does not depend on it
+            log.warning("cannot write %s: %s", WORKERS_FILE, one_line(err))
+
+    def record_call_attempts(self, step: int) -> int:
+        """Append what the workers' engines did per call attempt since the last call (resume
+        verdict, prefix spliced in, tokens decoded, finish) to
+        `call_attempts/<session>.jsonl`, each line tagged with `step` and the worker index;
+        returns the number of lines. The evidence a recovery check compares across a crash."""
+        if not self.cfg.token_capture.enabled:
+            return 0
+        cursors = zip(self.workers, self._attempt_cursors, strict=True)
+        pages = ray.get([w.actor.call_attempts.remote(c) for w, c in cursors])
+        lines = []
+        for i, page in enumerate(pages):
+            self._attempt_cursors[i] = page["next"]
+            lines += [json.dumps({"step": step, "worker": i} | rec) for rec in page["attempts"]]
+            self.stats["call_attempt_records_dropped"] = max(
+                self.stats["call_attempt_records_dropped"], page["dropped"]
+            )
+        if lines:
+            self.storage.append_line(f"{CALL_ATTEMPTS_DIR}/{self.session}.jsonl", "\n".join(lines))
+        return len(lines)
 
     def close(self) -> None:
         if self.env is not None:
@@ -408,6 +448,12 @@ class RolloutRecovery:
         return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}
 
 
+def _fault_env() -> dict:
+    """Actor options carrying an armed test fault (faults.py) into the actor; none when off."""
+    env = faults.actor_env_vars()
+    return {"runtime_env": {"env_vars": env}} if env else {}
+
+
 def one_line(err: BaseException) -> str:
     """An exception as one line, unwrapped from Ray's task error."""
     cause = getattr(err, "cause", None) or err
@@ -421,7 +467,9 @@ class SingleController:
 
     def __init__(self, cfg: RolloutRecoveryConfig, ray_address: str = "local") -> None:
         init_ray(ray_address, log_to_driver=False)
-        actor_cls = ray.remote(RolloutRecovery).options(num_cpus=0, max_concurrency=1)
+        actor_cls = ray.remote(RolloutRecovery).options(
+            num_cpus=0, max_concurrency=1, **_fault_env()
+        )
         self.actor = actor_cls.remote(cfg, ray_address)
         ray.get(self.actor.__ray_call__.remote(lambda rr: rr.start() and None))
 

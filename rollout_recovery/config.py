@@ -142,6 +142,12 @@ class TokenCaptureConfig(_Block):
     staging_partition: str = "rollout_staging"
     terminal_partition: str = "rollout_terminal"
     max_inventory_calls: Int = Field(4096, ge=1)
+    max_attempt_records: Int = Field(
+        100_000,
+        ge=1,
+        description="Call attempts each worker remembers what its engine did for (resume "
+        "verdict, prefix, decoded tokens); older ones are dropped and counted.",
+    )
     request_token_ids: bool = Field(
         True, description="Ask the workers for prompt and generated token ids (return_token_ids)."
     )

@@ -26,6 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable
 
+from rollout_recovery import faults
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.data_plane import replay_rows_to_table, table_to_replay_rows
 from rollout_recovery.environment.episode import (
@@ -292,6 +293,9 @@ class RolloutEnvironment:
         entries = self.sink.get_many([t["entry_id"] for rec in records for t in rec["turns"]])
         episodes = []
         for rec in records:
+            if rec["turns"] and faults.active("redecode_committed_turns"):
+                episodes.append(Episode.restart(rec, self.tool.initial_state()))
+                continue
             try:
                 episodes.append(Episode.from_record(rec, entries.get))
             except RecordError as err:

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rollout_recovery.data_plane.digest import CHAIN_ROOT
+from rollout_recovery.generation.attempts import AttemptLog
 
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 XARG_ROLLOUT = "rr_rollout_id"
@@ -174,8 +175,10 @@ class TokenCapture:
         self,
         on_finished: Callable[[CapturedCall], None],
         force_flat_logprobs: bool = True,
+        max_attempt_records: int = 100_000,
     ) -> None:
         self.lock = threading.Lock()
+        self.attempts = AttemptLog(max_attempt_records)  # what the engine did, per attempt
         self.calls: dict[CallIdentity, CapturedCall] = {}
         self.completed: OrderedDict[CallIdentity, None] = OrderedDict()  # terminal rows staged
         self.by_request: dict[str, CapturedCall] = {}
@@ -209,7 +212,7 @@ class TokenCapture:
             with self.lock:
                 out = orig_process(engine_core_outputs, *args, **kwargs)
                 if self.by_request:
-                    self._collect_finished(engine_core_outputs)
+                    self._count_and_collect(engine_core_outputs)
                 return out
 
         def abort_requests(request_ids, internal):
@@ -254,12 +257,18 @@ class TokenCapture:
             self.on_added(call, request)
         self.calls[identity] = call
         self.by_request[request.request_id] = call
+        self.attempts.started(identity)
 
-    def _collect_finished(self, engine_core_outputs) -> None:
+    def _count_and_collect(self, engine_core_outputs) -> None:
+        """Count each identified request's newly sampled tokens (the engine core's own
+        outputs), then hand on the calls that finished."""
         states = self._op.request_states
         for eco in engine_core_outputs:
             call = self.by_request.get(eco.request_id)
-            if call is None or eco.request_id in states:
+            if call is None:
+                continue
+            self.attempts.decoded(call.identity, len(eco.new_token_ids))
+            if eco.request_id in states:
                 continue
             del self.by_request[eco.request_id]
             final = getattr(call.state.queue, "output", None) if call.state.queue else None
@@ -267,6 +276,7 @@ class TokenCapture:
             if final is not None and getattr(final, "outputs", None):
                 reason, stop = final.outputs[0].finish_reason, final.outputs[0].stop_reason
             reason = reason or (str(eco.finish_reason) if eco.finish_reason else None)
+            self.attempts.finished(call.identity, reason)
             if reason == "abort":
                 self.calls.pop(call.identity, None)
                 continue
@@ -277,6 +287,7 @@ class TokenCapture:
         states = self._op.request_states
         for rid in [r for r in self.by_request if r not in states]:
             call = self.by_request.pop(rid)
+            self.attempts.finished(call.identity, "abort")
             if self.calls.get(call.identity) is call:
                 del self.calls[call.identity]
 

@@ -14,11 +14,12 @@ import secrets
 from http import HTTPStatus
 from typing import Annotated, ClassVar
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Query
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from rollout_recovery.generation.attempts import AttemptPage
 from rollout_recovery.generation.cut import CutInventory, CutReceipt, CutService, InventoryTooLarge
 from rollout_recovery.generation.fence import MAX_EPOCH
 
@@ -29,6 +30,10 @@ MAX_CONTROL_BODY_BYTES = 4 * 1024 * 1024
 `token_capture.max_inventory_calls` calls (default 4096) of at most ~300 bytes each (two ids of
 up to 128 characters and an attempt), about 1.2 MiB; 4 MiB leaves room for ~14k such calls and
 bounds what any client can make the worker buffer. Larger bodies get 413 unread."""
+
+
+MAX_ATTEMPTS_PAGE = 10_000
+"""Most call-attempt records one control reply carries (a page of ~2 MB of JSON)."""
 
 
 def _not_bool(value: object) -> object:
@@ -115,6 +120,15 @@ def make_control_router(service: CutService, token: str) -> APIRouter:
     async def fence_end(body: FenceEnd) -> FenceReply:
         released = service.fence.end(body.epoch)
         return FenceReply(**vars(service.fence.state()), released=released)
+
+    @router.get("/call-attempts", response_model=AttemptPage)
+    async def call_attempts(
+        since: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int | None, Query(ge=1, le=MAX_ATTEMPTS_PAGE)] = MAX_ATTEMPTS_PAGE,
+    ) -> AttemptPage:
+        """What the engine did per call attempt, changed after cursor `since` (read again
+        from the reply's `next` for more)."""
+        return service.capture.attempts.read(since, limit)
 
     @router.get("/metrics")
     async def metrics() -> dict[str, float]:

@@ -7,6 +7,7 @@ so no second endpoint is needed. `snapshot()` gives the same numbers to Ray call
 from __future__ import annotations
 
 from collections import Counter as _Tally
+from collections import deque
 
 from prometheus_client import Counter, Histogram
 
@@ -44,6 +45,7 @@ class WorkerMetrics:
         self.lock_hold = Histogram(
             "rollout_recovery_lock_hold_us", "Capture lock hold per cut (us)", buckets=_BUCKETS_US
         )
+        self.lock_holds: deque[float] = deque(maxlen=100_000)  # per cut, for exact percentiles
         self.fence_hold = Counter("rollout_recovery_fence_hold_seconds", "Seconds fences held")
         self.terminal_rows = Counter("rollout_recovery_terminal_rows", "Terminal rows staged")
         self.deferred_deletes = Counter(
@@ -75,8 +77,13 @@ class WorkerMetrics:
         self.progress_reads.inc()
         self.lock_wait.observe(wait_us)
         self.lock_hold.observe(hold_us)
+        self.lock_holds.append(hold_us)
         self.tally["progress_reads"] += 1
         self.tally["lock_hold_us_max"] = max(self.tally["lock_hold_us_max"], int(hold_us))
+
+    def lock_hold_samples(self) -> list[float]:
+        """The last 100,000 cuts' lock holds (us), oldest first."""
+        return list(self.lock_holds)
 
     def count(self, name: str, n: int = 1) -> None:
         series = {

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_recovery import faults
 from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest, finish_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
 from rollout_recovery.generation.capture import CallIdentity, TokenCapture
@@ -62,6 +63,7 @@ class Prefix:
     finish: tuple[str, Any] | None = None  # (finish_reason, stop_reason) recorded at the cut
     done: tuple[str, Any] | None = None  # the prefix already ended the call: answer it
     logit_bias: dict[int, float] | None = None  # the frequency penalty's emulation
+    identity: CallIdentity | None = None  # the attempt resuming from this prefix
 
 
 def validate_chunks(
@@ -204,10 +206,14 @@ class Resumer:
         self.tokenizer = engine.output_processor.tokenizer
         orig_generate = engine.generate
         self.capture.on_added = self._transplant
+        disabled = faults.active("resume_disabled")
 
         async def generate(prompt, sampling_params, request_id, **kwargs):
             extra = getattr(sampling_params, "extra_args", None) or {}
             prefix = None
+            if disabled:  # deliberate fault (faults.py): continuations silently ignored
+                for arg in (RESUME_KEYS_ARG, RESUME_TOKENS_ARG, RESUME_DIGEST_ARG):
+                    extra.pop(arg, None)
             if RESUME_KEYS_ARG in extra:
                 prefix = await self._prepare(prompt, sampling_params, extra)
             if prefix is not None:
@@ -215,6 +221,7 @@ class Resumer:
                 k = len(prefix.ids)
                 if prefix.done is not None:
                     yield self._complete_output(request_id, prefix, original, *prefix.done)
+                    self.capture.attempts.finished(prefix.identity, prefix.done[0])
                     self.retire(prefix.keys)
                     return
                 if prefix.logit_bias is not None:
@@ -255,6 +262,7 @@ class Resumer:
         is counted by reason and the call is decoded from scratch."""
         from rollout_recovery.generation.capture import identity_from_extra_args
 
+        identity = None
         try:
             identity = identity_from_extra_args(extra)
             if identity is None:
@@ -288,8 +296,12 @@ class Resumer:
                 prefix.logit_bias = frequency_penalty_bias(params, prefix.ids)
         except ResumeRefused as refused:
             self.metrics.restore(refused.reason)
+            if identity is not None:
+                self.capture.attempts.verdict(identity, "refused", refused.reason)
             return None
         self.metrics.restore("resumed", len(prefix.ids))
+        prefix.identity = identity
+        self.capture.attempts.verdict(identity, "resumed", prefix_tokens=len(prefix.ids))
         return prefix
 
     def _prefix_finish(self, prefix: Prefix, params) -> tuple[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from pydantic import BaseModel
 
+from rollout_recovery import faults
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.generation.engine_setup import (
     SUPPORTED_VLLM_SERIES,
@@ -173,6 +174,7 @@ class GenerationWorker:
         capture = TokenCapture(
             on_finished=lambda call: self._service.on_finished(call),
             force_flat_logprobs=self._cfg.vllm_cfg.flat_logprobs,
+            max_attempt_records=tc.max_attempt_records,
         )
         sampler_on = self._cfg.vllm_cfg.position_keyed_sampler
         capture.classify = lambda params: uncuttable_reason(params, sampler_on)
@@ -218,6 +220,16 @@ class GenerationWorker:
     async def capture_metrics(self) -> dict[str, float]:
         service = self._require_capture()
         return service.metrics.snapshot() | {"fence_hold_s": service.fence.hold_seconds_total}
+
+    async def lock_hold_samples(self) -> list[float]:
+        """Capture-lock hold of each recent cut (us, oldest first): exact percentiles for
+        benchmarks, which the Prometheus histogram's buckets cannot give."""
+        return self._require_capture().metrics.lock_hold_samples()
+
+    async def call_attempts(self, since: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """What the engine did per call attempt (decoded tokens, prefix spliced in, resume
+        verdict, finish), changed after cursor `since`: an `AttemptPage` as a dict."""
+        return self._require_capture().capture.attempts.read(since, limit).model_dump()
 
     async def drain(self) -> None:
         """Wait until background terminal-row writes are done."""
@@ -327,7 +339,7 @@ def worker_actor_options(cfg: RolloutRecoveryConfig) -> dict[str, Any]:
         "num_gpus": 1 if cfg.vllm_cfg.device == "cuda" else 0,
         "max_restarts": 0,
         "resources": dict(cfg.vllm_cfg.worker_resources),
-        "runtime_env": {"env_vars": engine_env(cfg)},
+        "runtime_env": {"env_vars": engine_env(cfg) | faults.actor_env_vars()},
     }
 
 

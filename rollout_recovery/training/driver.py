@@ -350,6 +350,7 @@ def _train_step(cfg, rr, storage: RunStorage, model, opt, step: int, weights_dir
 
     results = rr.submit_groups(groups, seeds, digit_reward)
     gen_s = time.monotonic() - t0
+    rr.record_call_attempts(step + 1)
     tokens = sum(r.generated_tokens for r in results)
     lease = rr.take_batch(len(groups) * g.generations_per_prompt)
     storage.write_bytes(f"batches/step-{step + 1:06d}.arrow", _batch_bytes(lease.rows))

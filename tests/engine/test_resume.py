@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane.digest import chain_digests
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
+from tests.engine.evidence import assert_from_scratch, assert_resumed, attempt_record
 
 pytestmark = pytest.mark.engine
 _ids = itertools.count()
@@ -115,6 +116,7 @@ def test_resume_at_first_middle_and_inside_a_character(capture_worker, tok, prom
         cont = _stage(store, rollout, ref, k, split=k // 2)
         out = _chat(url, rollout, attempt=1, xargs=cont, content=PROMPTS[prompt], ignore_eos=True)
         _same(out, ref)
+        assert_resumed(worker, rollout, 1, k, len(ids))
     assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in points) or not inside
 
 
@@ -143,6 +145,7 @@ def test_resume_with_a_stop_string_spanning_the_cut(capture_worker, tok):
     rollout = f"stop-res-{next(_ids)}"
     cont = _stage(store, rollout, ref, j)  # the cut falls inside the stop string
     _same(_chat(url, rollout, attempt=1, xargs=cont, stop=[stop], max_tokens=48), ref)
+    assert_resumed(worker, rollout, 1, j, j + 1)
 
 
 def test_resume_honours_min_tokens_and_a_finished_prefix(capture_worker):
@@ -152,12 +155,15 @@ def test_resume_honours_min_tokens_and_a_finished_prefix(capture_worker):
     rollout = f"min-res-{next(_ids)}"
     cont = _stage(store, rollout, ref, 5)
     _same(_chat(url, rollout, attempt=1, xargs=cont, min_tokens=20, max_tokens=32), ref)
+    assert_resumed(worker, rollout, 1, 5, len(ref["choices"][0]["token_ids"]))
     # A prefix that already reached the limit is answered without decoding.
     before = _metrics(worker).get("resume.finished_without_decoding", 0)
     full = f"full-res-{next(_ids)}"
     cont = _stage(store, full, ref, len(ref["choices"][0]["token_ids"]))
     _same(_chat(url, full, attempt=1, xargs=cont, min_tokens=20, max_tokens=32), ref)
     assert _metrics(worker)["resume.finished_without_decoding"] == before + 1
+    n = len(ref["choices"][0]["token_ids"])
+    assert assert_resumed(worker, full, 1, n, n)["finish_reason"] == "length"
 
 
 def test_frequency_penalty_is_emulated_exactly(capture_worker):
@@ -171,6 +177,7 @@ def test_frequency_penalty_is_emulated_exactly(capture_worker):
         cont = _stage(store, rollout, ref, k)
         out = _chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True, frequency_penalty=0.7)
         _same(out, ref)
+        assert_resumed(worker, rollout, 1, k, len(ref["choices"][0]["token_ids"]))
 
 
 def test_seeded_temperature_one_sampling_resumes_exactly(capture_worker):
@@ -184,6 +191,7 @@ def test_seeded_temperature_one_sampling_resumes_exactly(capture_worker):
         rollout = f"pk-res-{k}-{next(_ids)}"
         cont = _stage(store, rollout, ref, k)
         _same(_chat(url, rollout, attempt=1, xargs=seeded | cont, ignore_eos=True), ref)
+        assert_resumed(worker, rollout, 1, k, len(ref["choices"][0]["token_ids"]))
 
 
 def test_a_real_cut_survives_the_caller_going_away(capture_worker):
@@ -225,6 +233,9 @@ def test_a_real_cut_survives_the_caller_going_away(capture_worker):
     }
     out = _chat(url, rollout, attempt=1, xargs=cont, ignore_eos=True, max_tokens=400)
     _same(out, ref)
+    assert_resumed(worker, rollout, 1, call["prefix_token_count"], 400)
+    first = attempt_record(worker, rollout, 0)  # the attempt the "crash" interrupted
+    assert first["resume"] == "none" and first["decoded_tokens"] >= call["prefix_token_count"]
     # Once the resumed call's terminal row is staged, the old attempt's chunks are deleted.
     ray.get(worker.actor.drain.remote())
     _, missing = capture_worker[1].get("rollout_staging", call["staging_keys"])
@@ -264,6 +275,7 @@ def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
         _same(out, ref)  # regenerated from scratch: greedy gives the same answer
         after = _metrics(worker)
         assert after.get(f"resume.{reason}", 0) == before.get(f"resume.{reason}", 0) + 1, reason
+        assert_from_scratch(worker, rollout, attempt, reason, len(ref["choices"][0]["token_ids"]))
     assert ray.get(worker.actor.health.remote()).healthy
 
 
@@ -291,6 +303,7 @@ def test_a_streamed_resume_delivers_the_whole_completion(capture_worker):
     assert ids == choice["token_ids"]
     assert text == choice["message"]["content"]
     assert lps == [c["logprob"] for c in choice["logprobs"]["content"]]
+    assert_resumed(worker, rollout, 1, k, len(choice["token_ids"]))
 
 
 def test_a_refused_frequency_penalty_emulation_regenerates(capture_worker):
@@ -311,6 +324,7 @@ def test_a_refused_frequency_penalty_emulation_regenerates(capture_worker):
     after = _metrics(worker)
     _same(out, ref)
     assert after.get("resume.frequency_penalty", 0) == before.get("resume.frequency_penalty", 0) + 1
+    assert_from_scratch(worker, rollout, 1, "frequency_penalty", len(ids))
     assert after.get("resume.resumed", 0) == before.get("resume.resumed", 0)
 
 
@@ -331,6 +345,8 @@ def test_a_prefix_without_logprobs_is_refused_and_regenerated(capture_worker):
     after = _metrics(worker)
     name = "resume.prefix_without_logprobs"
     assert after.get(name, 0) == before.get(name, 0) + 1
+    n = len(ref["choices"][0]["token_ids"])
+    assert_from_scratch(worker, rollout, 1, "prefix_without_logprobs", n)
 
 
 def test_booleans_are_not_numbers_in_call_identities_and_continuations(capture_worker):

@@ -1,31 +1,61 @@
-"""The recovery functional tests at a small size (reference, SIGKILL, restore, parity)."""
+"""The recovery functional tests at a small size (reference, SIGKILL, restore, parity), and
+proof that the checks fail when recovery breaks: a deliberately broken restore of the same
+killed run (resume disabled, committed turns decoded again) and one perturbed logprob."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+CHECK = REPO / "functional_tests" / "recovery_check.py"
 pytestmark = pytest.mark.engine
 
 
-def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(tmp_path):
+def _check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CHECK), *args], capture_output=True, text=True,
+                          timeout=900, check=False)  # fmt: skip
+
+
+PREFIX = ["--level", "prefix", "--steps", "2", "--max-tokens", "256", "--cuts", "2"]
+TURN = ["--level", "turn", "--steps", "2", "--max-tokens", "64", "--cuts", "2"]
+
+
+@pytest.fixture(scope="module")
+def prefix_run(tmp_path_factory) -> Path:
     """Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
-    trainer checkpoint): the same batches, losses equal, the final trainer checkpoint the
-    same bytes as the uninterrupted run's."""
-    out = tmp_path / "prefix"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "functional_tests" / "recovery_check.py"), "--level",
-         "prefix", "--out", str(out), "--steps", "2", "--max-tokens", "256", "--cuts", "2",
-         "--kills", "2"],
-        capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
+    trainer checkpoint)."""
+    out = tmp_path_factory.mktemp("prefix")
+    proc = _check("--out", str(out), *PREFIX, "--kills", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((out / "parity.json").read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def turn_run(tmp_path_factory) -> Path:
+    """checkpoint_dir on the local S3 server: snapshots, ledgers, trainer checkpoints and
+    logs all through pyarrow.fs."""
+    out = tmp_path_factory.mktemp("turn")
+    proc = _check("--out", str(out), *TURN, "--storage", "s3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "parity.json").read_text())
+
+
+def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefix_run):
+    """The same batches, losses equal, the final trainer checkpoint the same bytes as the
+    uninterrupted run's; the engines resumed every cut call; the kill's lost work measured."""
+    report = _report(prefix_run)
     assert report["violations"] == []
     assert [k["step"] for k in report["kills"]] == [0, 1]
     assert report["restored_calls"] >= 4 and report["restored_prefix_tokens"] > 0
@@ -34,20 +64,69 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(tmp_p
     ckpt = report["final_trainer_checkpoint"]
     assert ckpt["reference"] == ckpt["recovered"]
     assert report["selected"] == [k["snapshot"] for k in report["kills"]]
+    for lost, kill in zip(report["lost_work"], report["kills"], strict=True):
+        assert 0 <= lost["prefix"] <= lost["turn"] <= lost["none"]
+        assert lost["none"] == lost["decoded_before_crash"] > lost["prefix"]
+        assert kill["after_snapshot_s"] > 0
 
 
-def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(tmp_path):
-    """checkpoint_dir on the local S3 server: snapshots, ledgers, trainer checkpoints and
-    logs all through pyarrow.fs."""
-    out = tmp_path / "turn"
-    proc = subprocess.run(
-        ["bash", str(REPO / "functional_tests" / "turn_recovery.sh"), "--out", str(out),
-         "--steps", "2", "--max-tokens", "64", "--cuts", "2", "--storage", "s3"],
-        capture_output=True, text=True, timeout=900, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((out / "parity.json").read_text())
+def test_the_check_fails_when_workers_silently_ignore_continuations(prefix_run, tmp_path):
+    """The same killed run restored with resume disabled on the workers: every output still
+    matches the reference (the sampler is deterministic), only the engine records tell."""
+    proc = _check("--out", str(tmp_path), *PREFIX, "--kills", "2", "--from-kill",
+                  str(prefix_run), "--fault", "resume_disabled")  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _report(tmp_path)
+    assert all(s["same_batch"] and s["loss_abs_diff"] == 0 for s in report["steps"])
+    assert report["violations"] and all(v.startswith("[resumed]") for v in report["violations"])
+    lost = report["lost_work"][-1]
+    assert lost["prefix"] == lost["none"]  # everything decoded again
+
+
+def test_the_check_fails_on_one_perturbed_generation_logprob(prefix_run, tmp_path):
+    """A copy of the passing run with one generation logprob of the recovered batch moved by
+    1e-3, verified again from its files."""
+    for name in ("reference", "recovered"):
+        shutil.copytree(prefix_run / name, tmp_path / name)
+    report = _report(prefix_run) | {"reference_dir": str(tmp_path / "reference"),
+                                    "recovered_dir": str(tmp_path / "recovered")}  # fmt: skip
+    (tmp_path / "parity.json").write_text(json.dumps(report))
+    shutil.copy(prefix_run / "kills.json", tmp_path / "kills.json")
+    path = tmp_path / "recovered" / "batches" / "step-000001.arrow"
+    table = pa.ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()
+    lps = table.column("logprobs").combine_chunks()
+    values = lps.values.to_numpy(zero_copy_only=False).copy()
+    mask = table.column("loss_mask").combine_chunks().values.to_numpy(zero_copy_only=False)
+    values[int(np.flatnonzero(mask)[0])] += 1e-3
+    perturbed = pa.ListArray.from_arrays(lps.offsets, pa.array(values, lps.type.value_type))
+    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs", perturbed)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    proc = _check("--out", str(tmp_path), "--verify-only")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    violations = _report(tmp_path)["violations"]
+    assert [v for v in violations if not v.startswith("[logprobs] step 1")] == []
+    assert violations
+
+
+def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(turn_run):
+    report = _report(turn_run)
     assert report["violations"] == [] and report["level"] == "turn"
-    assert report["storage"] == "s3" and not (out / "recovered").exists()
+    assert report["storage"] == "s3" and not (turn_run / "recovered").exists()
     assert report["restored_episodes"] >= 2 and report["restored_turn_tokens"] > 0
     assert all(s["same_batch"] and s["same_reward"] for s in report["steps"])
+    [lost] = report["lost_work"]
+    assert lost["turn"] < lost["none"]  # committed turns were not decoded again
+
+
+def test_the_check_fails_when_committed_turns_are_decoded_again(turn_run, tmp_path):
+    """The same killed run restored with every episode re-admitted from its first prompt:
+    tokens, rewards and tool states still match; the engine records show the repeat."""
+    proc = _check("--out", str(tmp_path), *TURN, "--from-kill", str(turn_run), "--fault",
+                  "redecode_committed_turns")  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _report(tmp_path)
+    assert all(s["same_batch"] and s["same_reward"] for s in report["steps"])
+    assert report["violations"]
+    assert all(v.startswith("[committed_turn_decoded_again]") or "episodes re-admitted" in v
+               for v in report["violations"])  # fmt: skip

@@ -19,16 +19,28 @@ spec.loader.exec_module(rc)
 
 TOTAL = {"restored_episodes": 2, "restored_calls": 1, "restored_prefix_tokens": 3,
          "tail_tokens": 2, "worker_resumes_accepted": 1, "worker_resumes_refused": 0}  # fmt: skip
+ev = rc.evidence
 
 
 def _killed(tokens: int = 3) -> dict:
     def ep(i, cont):
-        return {"group_id": "s0001-p000", "generation_index": i, "turns": [{}],
-                "continuation": cont}  # fmt: skip
+        return {"rollout_id": f"s0001-p000-g{i}", "group_id": "s0001-p000",
+                "generation_index": i, "turns": [{}], "continuation": cont}  # fmt: skip
 
     cont = {"call_id": "c1", "attempt": 0, "keys": ["k"], "tokens": tokens}
     episodes = [ep(0, cont), ep(1, None), ep(2, None)]
     return {"ledger": {"step": 1, "episodes": episodes}, "finished_keys": ["s0001-p000/002"]}
+
+
+def _rec(rollout: str, call: str, attempt: int, decoded: int, prefix: int = 0, **kw) -> dict:
+    return {"rollout_id": rollout, "model_call_id": call, "attempt": attempt,
+            "decoded_tokens": decoded, "prefix_tokens": prefix,
+            "resume": "resumed" if prefix else "none", "refused_reason": None} | kw  # fmt: skip
+
+
+# The restore phase of _killed(): c1 of g0 resumed from 3 tokens and decoded its 2-token tail;
+# g1 went on with its next call c1 (its c0 was committed).
+GOOD_AFTER = [_rec("s0001-p000-g0", "c1", 1, 2, prefix=3), _rec("s0001-p000-g1", "c1", 1, 4)]
 
 
 def _batch(run_dir: Path, mask: list[int]) -> None:
@@ -44,17 +56,68 @@ def test_turn_lengths_are_the_runs_of_the_loss_mask():
     assert rc.turn_lengths(np.int8([0, 1, 1, 0, 0, 1, 1, 1, 0, 1])) == [2, 3, 1]
 
 
-def test_exactly_once_and_prefix_plus_tail(tmp_path):
+def _check(tmp_path, counts=TOTAL, after=GOOD_AFTER, level="prefix") -> list[str]:
+    args = SimpleNamespace(level=level)
+    return rc.check_restored_once(args, _killed(), str(tmp_path), counts, after)
+
+
+def test_every_guarantee_read_from_the_engine_records(tmp_path):
     _batch(tmp_path, [0, 0, 1, 1, 0, 1, 1, 1, 1, 1])  # turn c1 is 5 tokens = 3 + 2
-    args = SimpleNamespace(level="prefix")
-    assert rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL) == []
-    wrong = rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL | {"restored_episodes": 3})
-    assert wrong == ["3 episodes re-admitted, the snapshot holds 2 unfinished"]
-    short = rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL | {"tail_tokens": 1})
-    assert short == ["resumed calls are 5 tokens long, but prefix 3 + tail 1 = 4"]
-    fell_back = {"worker_resumes_accepted": 0, "worker_resumes_refused": 1}
-    refused = rc.check_restored_once(args, _killed(), str(tmp_path), TOTAL | fell_back)
-    assert refused[0].startswith("the workers resumed 0 calls and refused 1")
+    assert _check(tmp_path) == []
+    assert _check(tmp_path, TOTAL | {"restored_episodes": 3}) == [
+        "3 episodes re-admitted, the snapshot holds 2 unfinished"
+    ]
+    # Resume disabled: the worker decoded the cut call from scratch (a silent regeneration
+    # returns the same tokens; only the engine record tells).
+    silent = [_rec("s0001-p000-g0", "c1", 1, 5), GOOD_AFTER[1]]
+    [msg] = _check(tmp_path, after=silent)
+    assert msg.startswith("[resumed] s0001-p000-g0/c1 was cut with 3 tokens")
+    refused = [_rec("s0001-p000-g0", "c1", 1, 5, resume="refused", refused_reason="x")]
+    assert _check(tmp_path, after=refused + GOOD_AFTER[1:])[0].startswith("[resumed]")
+    # The engine decoded more than the tail (e.g. the prefix again).
+    extra = [_rec("s0001-p000-g0", "c1", 1, 4, prefix=3), GOOD_AFTER[1]]
+    assert _check(tmp_path, after=extra)[0].startswith("[decoded_tail] s0001-p000-g0/c1")
+    # A committed turn (g1's c0) or a call of a finished episode (g2) decoded again.
+    again = [*GOOD_AFTER, _rec("s0001-p000-g1", "c0", 1, 4), _rec("s0001-p000-g2", "c0", 1, 6)]
+    msgs = _check(tmp_path, after=again)
+    assert [m.split("]")[0] for m in msgs] == ["[committed_turn_decoded_again"] * 2
+    assert _check(tmp_path, after=again, level="turn")[0].startswith("[committed_turn")
+    # A record that failed closed, and a worker-side refusal.
+    bad = TOTAL | {"restore_refused.missing_entry": 1}
+    assert _check(tmp_path, bad) == ["[restore_refused] episode records started over: "
+                                     "{'restore_refused.missing_entry': 1}"]  # fmt: skip
+    fell_back = TOTAL | {"worker_resumes_refused": 1}
+    assert _check(tmp_path, fell_back)[0].startswith("[resumed] the workers refused 1")
+
+
+def test_lost_work_counts_tokens_decoded_on_both_sides_of_the_crash():
+    killed = _killed()
+    # Before the crash: g0/c1 had decoded 7 tokens (3 of them cut), g1/c0 (committed) 4,
+    # g1/c1 2 (not cut), g2/c0 (finished) 6.
+    before = [_rec("s0001-p000-g0", "c1", 0, 7), _rec("s0001-p000-g1", "c0", 0, 4),
+              _rec("s0001-p000-g1", "c1", 0, 2), _rec("s0001-p000-g2", "c0", 0, 6)]  # fmt: skip
+    after = [_rec("s0001-p000-g0", "c1", 1, 5, prefix=3), _rec("s0001-p000-g1", "c1", 1, 4)]
+    reference = [_rec("s0001-p000-g0", "c1", 0, 8), _rec("s0001-p000-g1", "c0", 0, 4),
+                 _rec("s0001-p000-g1", "c1", 0, 4), _rec("s0001-p000-g2", "c0", 0, 6)]  # fmt: skip
+    lw = ev.lost_work(before, after, reference, killed["ledger"], killed["finished_keys"], "prefix")
+    # prefix: g0/c1 positions 3..7 again (4), g1/c1 0..2 again (2)
+    assert (lw["prefix"], lw["turn"], lw["none"]) == (6, 9, 19)
+    assert lw["decoded_before_crash"] == 19 and lw["decoded_after_restore"] == 9
+
+
+def test_intervals_overlap_by_positions():
+    assert ev.overlap([(0, 5), (3, 8)], [(6, 10)]) == 2
+    assert ev.overlap([(0, 4)], [(4, 9)]) == 0
+
+
+def test_logprob_thresholds_fail_a_perturbed_step():
+    ok = {1: {"logprobs_bit_identical": 1.0, "logprobs_max_abs_diff": 0.0}}
+    assert ev.check_logprobs(ok, 0.5, 1e-5) == []
+    drift = {1: {"logprobs_bit_identical": 0.99, "logprobs_max_abs_diff": 0.01}}
+    [msg] = ev.check_logprobs(drift, 0.5, 1e-5)
+    assert msg.startswith("[logprobs] step 1")
+    assert ev.check_logprobs({1: {"logprobs_bit_identical": 0.2,
+                                  "logprobs_max_abs_diff": 0.0}}, 0.5, 1e-5)  # fmt: skip
 
 
 def test_tool_states_must_match_and_apply_each_effect_once(tmp_path):
