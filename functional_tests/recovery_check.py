@@ -11,7 +11,7 @@
    until a published snapshot of a later trainer step than the previous kill's holds at least
    --cuts recoverable cuts (prefix level: 0 < prefix < limit) or partly done episodes (turn
    level: 0 < committed turns < max_turns). The kill then lands at a random moment after that
-   snapshot (uniform in 0.1-1.0 snapshot intervals, --seed): the engines are frozen, what
+   snapshot was taken (uniform in 0.1-0.9 snapshot intervals, --seed): the engines are frozen, what
    each engine decoded per call attempt is read over the workers' control API, the whole
    group is frozen, the newest published snapshot (the one a restore picks) is recorded with
    how long before the kill it was taken, and the group is killed with SIGKILL; none of its
@@ -166,10 +166,13 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             sys.exit(f"FAIL: phase {k}: no snapshot with enough recoverable items in time")
         tree |= descendants(proc.pid)
-        if kill_at is None and newest_if_ready() is not None:
-            delay = args.rng.uniform(0.1, 1.0) * args.interval
-            kill_at = time.monotonic() + delay
-        if kill_at is not None and time.monotonic() >= kill_at:
+        ready = newest_if_ready() if kill_at is None else None
+        if ready is not None:
+            # The next attempt starts a full interval after this one ended: a kill within
+            # 0.9 intervals of this snapshot lands before anything newer is published.
+            delay = args.rng.uniform(0.1, 0.9) * args.interval
+            kill_at = snapshot_time(ready["snapshot"]) + delay
+        if kill_at is not None and time.time() >= kill_at:
             workers = current_workers(run_dir, tree)
             engines = {p for w in workers for p in w["engine_pids"]}
             _signal_all(None, engines, signal.SIGSTOP)

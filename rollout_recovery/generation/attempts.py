@@ -11,9 +11,10 @@ per call attempt (rollout id, model call id, attempt), what happened inside it:
   outputs (`new_token_ids` of every step), never derived from the request;
 - `finish_reason` once the attempt ended (`abort` when it was cancelled).
 
-The log is bounded: past `max_records` the oldest attempts are dropped and counted. Readers
-page through it with `since` (every change bumps a record's `seq`), so a caller can collect
-the finished attempts of a run without missing or repeating one while the log is in use.
+The log is bounded: past `max_records` the attempts changed longest ago are dropped and
+counted. Readers page through it with `since` (every change bumps a record's `seq`), so a
+caller can collect the finished attempts of a run without missing or repeating one while the
+log is in use.
 """
 
 from __future__ import annotations
@@ -80,12 +81,16 @@ class AttemptLog:
         self._entries: OrderedDict[CallIdentity, _Entry] = OrderedDict()
 
     def _entry(self, identity: CallIdentity) -> _Entry:
+        """The attempt's entry, moved to the newest end (the log is kept in change order, so
+        a read walks back only over what changed and eviction drops the stalest)."""
         entry = self._entries.get(identity)
         if entry is None:
             entry = self._entries[identity] = _Entry()
             while len(self._entries) > self.max_records:
                 self._entries.popitem(last=False)
                 self.dropped += 1
+        else:
+            self._entries.move_to_end(identity)
         self._seq += 1
         entry.seq = self._seq
         return entry
@@ -124,11 +129,14 @@ class AttemptLog:
         """Records whose last change came after `since`, oldest change first (at most
         `limit`; read again from `next` for the rest)."""
         with self._lock:
-            changed = sorted(
-                ((e.seq, ident, e) for ident, e in self._entries.items() if e.seq > since),
-                key=lambda t: t[0],
-            )
-            if limit is not None:
+            changed = []
+            for ident, e in reversed(self._entries.items()):
+                if e.seq <= since:
+                    break
+                changed.append((ident, e))
+            changed.reverse()
+            more = limit is not None and len(changed) > limit
+            if more:
                 changed = changed[:limit]
             records = [
                 AttemptRecord(
@@ -137,9 +145,7 @@ class AttemptLog:
                     attempt=ident.attempt,
                     **asdict(e),
                 )
-                for _, ident, e in changed
+                for ident, e in changed
             ]
-            nxt = changed[-1][0] if changed else max(since, 0)
-            if limit is None or len(changed) < limit:
-                nxt = max(nxt, self._seq)
+            nxt = changed[-1][1].seq if more else max(since, self._seq)
             return AttemptPage(attempts=records, dropped=self.dropped, next=nxt)

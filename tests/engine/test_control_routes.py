@@ -144,3 +144,41 @@ def test_deeply_nested_json_is_a_4xx_and_the_worker_stays_healthy(capture_worker
     ok = chat % ('"hi"', "")
     r = httpx.post(f"{url}/v1/chat/completions", content=ok, headers=headers, timeout=120)
     assert r.status_code == 200, r.text[:300]
+
+
+def test_call_attempt_evidence_is_read_in_pages_with_the_token(capture_worker):
+    """The per-attempt engine records over HTTP: refused without the token, paged by the
+    cursor, and equal to what the actor returns; bad cursors are a 422, not a crash."""
+    worker, _ = capture_worker
+    rollout = f"evidence-{time.time_ns()}"
+    body = {
+        "model": "policy",
+        "messages": [{"role": "user", "content": "Count to five."}],
+        "max_tokens": 7,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": 0},
+    }
+    r = httpx.post(f"{worker.info.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    route = _control(worker, "call-attempts")
+    assert httpx.get(route, timeout=30).status_code == 401
+    assert httpx.get(route, headers={"Authorization": "Bearer x"}, timeout=30).status_code == 401
+    for bad in ({"since": -1}, {"since": "x"}, {"limit": 0}, {"limit": 10**6}):
+        assert httpx.get(route, params=bad, headers=_auth(worker), timeout=30).status_code == 422
+    pages, since = [], 0
+    while True:
+        page = httpx.get(route, params={"since": since, "limit": 2}, headers=_auth(worker),
+                         timeout=30).json()  # fmt: skip
+        if not page["attempts"]:
+            break
+        pages.append(page)
+        since = page["next"]
+    records = [r for p in pages for r in p["attempts"]]
+    mine = [r for r in records if r["rollout_id"] == rollout]
+    keys = {(r["rollout_id"], r["model_call_id"], r["attempt"]) for r in records}
+    assert len(mine) == 1 and len(keys) == len(records)  # each attempt once across pages
+    rec = mine[0]
+    assert (rec["resume"], rec["decoded_tokens"], rec["finish_reason"]) == ("none", 7, "length")
+    via_actor = ray.get(worker.actor.call_attempts.remote(0))["attempts"]
+    assert [r for r in via_actor if r["rollout_id"] == rollout] == mine

@@ -46,5 +46,8 @@ def test_bounded_and_counts_what_it_dropped():
         log.started(CallIdentity(f"r{i}", "c0", 0))
     page = log.read()
     assert [r.rollout_id for r in page.attempts] == ["r3", "r4"] and page.dropped == 3
+    log.decoded(CallIdentity("r3", "c0", 0), 1)  # r3 changed last: r4 is the stalest now
+    log.started(CallIdentity("r5", "c0", 0))
+    assert [r.rollout_id for r in log.read().attempts] == ["r3", "r5"]
     with pytest.raises(ValueError):
         AttemptLog(max_records=0)
