@@ -152,12 +152,17 @@ class RequestGate:
       (inside the engine it would surface as an opaque 500).
     - `required_prefix_token_ids` on a chat request is validated and handed to the engine
       (as `vllm_xargs`); on `/tokenize` the returned ids are spliced the same way, so the
-      tokenize fallback sees the prompt generation used. The completions API is refused: it
-      has no conversation to continue, so supply could not be proven there.
+      tokenize fallback sees the prompt generation used. Other generation routes refuse it
+      (completions has no conversation to continue; responses and messages would drop it
+      silently), so supply could not be proven there.
     Other requests pass through untouched.
     """
 
-    PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize"})
+    # Every route of the served app that takes `vllm_xargs` (vLLM's request models turn a
+    # JSON `true` into 1 on all of them), plus /tokenize for prefix supply.
+    PATHS = frozenset(
+        {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize"}
+    )
 
     def __init__(self, app, turn_end_ids: set[int], control_token: str | None = None) -> None:
         self.app, self.turn_end_ids = app, turn_end_ids
@@ -244,9 +249,9 @@ class RequestGate:
 
         if prefix_supply.FIELD not in data:
             return None
-        if path == "/v1/completions":
+        if path not in ("/v1/chat/completions", "/tokenize"):
             raise ValueError(
-                f"{prefix_supply.FIELD} is refused on /v1/completions (supply cannot be proven "
+                f"{prefix_supply.FIELD} is refused on {path} (supply cannot be proven "
                 "there); use chat completions or disable supply_prefix_token_ids"
             )
         prefix = prefix_supply.validate_prefix(data.pop(prefix_supply.FIELD))

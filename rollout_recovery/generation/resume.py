@@ -20,6 +20,7 @@ decided before anything is counted as resumed; the call is then decoded from scr
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
@@ -148,6 +149,12 @@ def check_continuation_fields(xargs: dict) -> None:
     keys = xargs[RESUME_KEYS_ARG]
     if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
         raise ValueError(f"{RESUME_KEYS_ARG} must be a non-empty list of staging keys")
+    bad = [k for k in keys if CallIdentity.of_chunk_key(k) is None]
+    if bad:
+        raise ValueError(
+            f"{RESUME_KEYS_ARG} must name chunk keys (<rollout>/<call>/a<attempt>/c<seq>); "
+            f"got {bad[0]!r}"
+        )
     if not _is_int(xargs.get(RESUME_TOKENS_ARG)) or xargs[RESUME_TOKENS_ARG] < 1:
         raise ValueError(f"{RESUME_TOKENS_ARG} must be a positive integer")
     if not isinstance(xargs.get(RESUME_DIGEST_ARG), str):
@@ -183,7 +190,8 @@ class Resumer:
     """Hooks on one AsyncLLM: a `generate` wrapper and the capture's add-request callback.
 
     `retire(keys)` is called with an earlier attempt's chunk keys when a resume answered the
-    call without decoding (no captured call will delete them with its terminal row).
+    call without decoding (no captured call will delete them with its terminal row). Fetching
+    a continuation's chunks that takes longer than `fetch_timeout_s` is `store_unavailable`.
     """
 
     def __init__(
@@ -193,8 +201,10 @@ class Resumer:
         partition: str,
         classify,
         retire: Callable[[list[str]], None] | None = None,
+        fetch_timeout_s: float = 10.0,
     ) -> None:
         self.capture, self.store, self.partition = capture, store, partition
+        self.fetch_timeout_s = fetch_timeout_s
         self.classify = classify
         self.retire = retire or (lambda keys: None)
         self.metrics = WorkerMetrics()
@@ -279,8 +289,9 @@ class Resumer:
             if limit is not None and params.max_tokens is not None and limit != params.max_tokens:
                 raise ResumeRefused("limit_mismatch", f"{limit} != {params.max_tokens}")
             try:
-                table, missing = await self.store.aget(self.partition, keys)
-            except Exception as err:
+                fetch = self.store.aget(self.partition, keys)
+                table, missing = await asyncio.wait_for(fetch, self.fetch_timeout_s)
+            except Exception as err:  # a hung store times out: refused, not stuck
                 raise ResumeRefused("store_unavailable", type(err).__name__) from None
             if missing:
                 raise ResumeRefused("missing_chunk", f"{len(missing)} staging keys not found")

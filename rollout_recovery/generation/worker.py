@@ -188,7 +188,12 @@ class GenerationWorker:
         )
         capture.install(self._engine)
         resumer = Resumer(
-            capture, self._store, tc.staging_partition, capture.classify, self._service.retire
+            capture,
+            self._store,
+            tc.staging_partition,
+            capture.classify,
+            self._service.retire,
+            fetch_timeout_s=tc.control_timeout_s,
         )
         resumer.install(self._engine)
         return make_control_router(self._service, tc.control_auth_token)

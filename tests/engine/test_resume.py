@@ -364,4 +364,7 @@ def test_booleans_are_not_numbers_in_call_identities_and_continuations(capture_w
         body = _body(rollout, 1, cont | {field: True}, ignore_eos=True)
         r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 400 and field in r.text, r.text
+    body = _body(rollout, 1, cont | {"rr_resume_keys": ["not a chunk key"]}, ignore_eos=True)
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "rr_resume_keys" in r.text, r.text
     assert ray.get(worker.actor.health.remote()).healthy
