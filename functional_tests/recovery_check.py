@@ -11,10 +11,11 @@
    until a published snapshot of a later trainer step than the previous kill's holds at least
    --cuts recoverable cuts (prefix level: 0 < prefix < limit) or partly done episodes (turn
    level: 0 < committed turns < max_turns). The kill then lands at a random moment after that
-   snapshot was taken (uniform in 0.1-0.9 snapshot intervals, --seed): the engines are frozen, what
-   each engine decoded per call attempt is read over the workers' control API, the whole
-   group is frozen, the newest published snapshot (the one a restore picks) is recorded with
-   how long before the kill it was taken, and the group is killed with SIGKILL; none of its
+   snapshot was taken (uniform in 0.1-0.9 snapshot intervals, --seed): every process but the
+   worker actors is frozen (no decoding, no publishing), what each engine decoded per call
+   attempt is read over the workers' control API, the whole group is frozen, the newest
+   published snapshot (the one a restore picks) is recorded with how long before the freeze
+   it was taken, and the group is killed with SIGKILL; none of its
    processes (Ray, engines) may be left;
 3. last phase: `rollout-recovery train --restore` finishes the run;
 4. parity: per step the same training batch (keys, token ids, loss masks, rewards, lengths),
@@ -142,7 +143,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     )  # fmt: skip
     root = child(run_dir, "data_plane")
     deadline = time.monotonic() + args.timeout
-    chosen, kill_at, delay = None, None, 0.0
+    chosen, kill_at, delay, next_scan = None, None, 0.0, 0.0
     tree: set[int] = set()
 
     def newest_if_ready() -> dict | None:
@@ -165,7 +166,9 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             sys.exit(f"FAIL: phase {k}: no snapshot with enough recoverable items in time")
-        tree |= descendants(proc.pid)
+        if time.monotonic() >= next_scan:  # pgrep per process: not on every poll
+            tree |= descendants(proc.pid)
+            next_scan = time.monotonic() + 1.0
         ready = newest_if_ready() if kill_at is None else None
         if ready is not None:
             # The next attempt starts a full interval after this one ended: a kill within
@@ -173,9 +176,11 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             delay = args.rng.uniform(0.1, 0.9) * args.interval
             kill_at = snapshot_time(ready["snapshot"]) + delay
         if kill_at is not None and time.time() >= kill_at:
+            tree |= descendants(proc.pid)
             workers = current_workers(run_dir, tree)
-            engines = {p for w in workers for p in w["engine_pids"]}
-            _signal_all(None, engines, signal.SIGSTOP)
+            # Freeze everything but the worker actors (they answer the read below): no token
+            # is decoded and no snapshot is published from here on.
+            _signal_all(None, ({proc.pid} | tree) - {w["pid"] for w in workers}, signal.SIGSTOP)
             frozen_at = time.time()
             time.sleep(0.1)  # outputs already sent reach the workers' counters
             before = read_engine_records(workers, args.token)
@@ -184,7 +189,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             _signal_all(proc.pid, tree, signal.SIGSTOP)
             chosen = newest_if_ready()
             if chosen is None:  # a newer snapshot without enough items: wait for the next
-                _signal_all(proc.pid, tree | engines, signal.SIGCONT)
+                _signal_all(proc.pid, tree, signal.SIGCONT)
                 kill_at = None
                 continue
             since = frozen_at - snapshot_time(chosen["snapshot"])
