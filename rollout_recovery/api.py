@@ -102,7 +102,8 @@ class RolloutRecovery:
         self.stats: Counter[str] = Counter()  # checkpoints, failures, fence hold seconds
         self.failures_in_a_row = 0
         self.session = f"session-{time.time_ns()}"  # names this process's evidence log
-        self._attempt_cursors: list[int] = []
+        self._attempt_cursors: list[int] = []  # per worker: its call-attempt log read so far
+        self._attempts_dropped: list[int] = []
 
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -119,6 +120,7 @@ class RolloutRecovery:
         self.env = env_cls.remote(self.cfg, self.workers, self.store)
         ray.get(self.env.counters.remote())  # constructed
         self._attempt_cursors = [0] * len(self.workers)
+        self._attempts_dropped = [0] * len(self.workers)
         self._write_workers()
         return self
 
@@ -137,20 +139,27 @@ class RolloutRecovery:
         """Append what the workers' engines did per call attempt since the last call (resume
         verdict, prefix spliced in, tokens decoded, finish) to
         `call_attempts/<session>.jsonl`, each line tagged with `step` and the worker index;
-        returns the number of lines. The evidence a recovery check compares across a crash."""
+        returns the number of lines. The evidence a recovery check compares across a crash.
+        A failed write is a warning (the log is a report) and is retried with the next step."""
         if not self.cfg.token_capture.enabled:
             return 0
         cursors = zip(self.workers, self._attempt_cursors, strict=True)
         pages = ray.get([w.actor.call_attempts.remote(c) for w, c in cursors])
         lines = []
         for i, page in enumerate(pages):
-            self._attempt_cursors[i] = page["next"]
             lines += [json.dumps({"step": step, "worker": i} | rec) for rec in page["attempts"]]
-            self.stats["call_attempt_records_dropped"] = max(
-                self.stats["call_attempt_records_dropped"], page["dropped"]
-            )
+            if page["dropped"] > self._attempts_dropped[i]:
+                log.warning("worker %d dropped %d call-attempt records (token_capture."
+                            "max_attempt_records)", i, page["dropped"])  # fmt: skip
+                self._attempts_dropped[i] = page["dropped"]
         if lines:
-            self.storage.append_line(f"{CALL_ATTEMPTS_DIR}/{self.session}.jsonl", "\n".join(lines))
+            try:
+                rel = f"{CALL_ATTEMPTS_DIR}/{self.session}.jsonl"
+                self.storage.append_line(rel, "\n".join(lines))
+            except OSError as err:
+                log.warning("cannot write %s: %s", CALL_ATTEMPTS_DIR, one_line(err))
+                return 0
+        self._attempt_cursors = [page["next"] for page in pages]
         return len(lines)
 
     def close(self) -> None:
