@@ -53,14 +53,11 @@ import numpy as np  # noqa: E402
 
 from rollout_recovery.data_plane.digest import CHAIN_ROOT  # noqa: E402
 from rollout_recovery.generation.capture import (  # noqa: E402
-    XARG_ATTEMPT,
-    XARG_CALL,
-    XARG_ROLLOUT,
-    CallIdentity,
     CapturedCall,
     TokenCapture,
 )
 from rollout_recovery.generation.cut import CallRef, CutInventory, CutService  # noqa: E402
+from rollout_recovery.protocol import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT, CallIdentity  # noqa: E402
 
 HOOKS = ("add_request", "process_outputs", "abort_requests")
 TARGETS = {

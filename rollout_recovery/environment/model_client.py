@@ -25,6 +25,7 @@ from rollout_recovery.environment.lineage import LineageStore, Resolution
 from rollout_recovery.environment.token_entry import ParentResolution, TokenEntry
 from rollout_recovery.environment.token_sink import TokenSink
 from rollout_recovery.environment.token_sources import TokenSourceError, capture_tokens
+from rollout_recovery.protocol import CallIdentity
 
 PREFIX_FIELD = "required_prefix_token_ids"
 
@@ -108,8 +109,7 @@ class ModelCallClient:
         else:  # the /tokenize fallback reads generated ids from the logprob entries
             request["return_tokens_as_token_ids"] = True
         xargs = request.setdefault("vllm_xargs", {})
-        xargs |= {"rr_rollout_id": rollout_id, "rr_model_call_id": model_call_id}
-        xargs["rr_attempt"] = attempt
+        xargs |= CallIdentity(rollout_id, model_call_id, attempt).to_xargs()
         prefix = None
         if resolution.outcome == ParentResolution.RESOLVED and self.supply_prefix:
             parent_finish = self._finish.get((rollout_id, resolution.parent_call_id))

@@ -41,7 +41,7 @@ from rollout_recovery.environment.lineage import LineageStore
 from rollout_recovery.environment.model_client import ModelCallClient
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_sink import StoreTokenSink
-from rollout_recovery.generation.capture import CallIdentity
+from rollout_recovery.protocol import XARG_SEED, XARG_TEMPERATURE, CallIdentity, Continuation
 
 
 class RolloutEnvironment:
@@ -141,14 +141,9 @@ class RolloutEnvironment:
                 cont, ep.continuation = ep.continuation, None
                 if cont is not None and cont.get("call_id", "c0") != call_id:
                     cont = None
-                xargs = {"rr_seed": call_seed(ep.seed, turn), "rr_temperature": g.temperature}
+                xargs = {XARG_SEED: call_seed(ep.seed, turn), XARG_TEMPERATURE: g.temperature}
                 if cont and cont.get("keys"):
-                    xargs |= {
-                        "rr_resume_keys": cont["keys"],
-                        "rr_resume_tokens": cont["tokens"],
-                        "rr_resume_digest": cont["digest"],
-                        "rr_resume_limit": g.max_new_tokens,
-                    }
+                    xargs |= Continuation(**cont).to_request_fields(g.max_new_tokens)
                     self.counts["restored_calls"] += 1
                     self.counts["restored_prefix_tokens"] += cont["tokens"]
                 await self.participant.admitted()  # parked while a checkpoint is being taken
@@ -214,19 +209,12 @@ class RolloutEnvironment:
             ))  # fmt: skip
             for receipt in receipts:
                 for c in receipt["calls"]:
-                    cont = {"call_id": c["model_call_id"], "attempt": c["attempt"]}
-                    if c["disposition"] == "durable_prefix":
-                        # A terminal completion is a whole answer: a resume returns it
-                        # without decoding.
-                        cont |= {
-                            "keys": c["staging_keys"],
-                            "tokens": c["prefix_token_count"],
-                            "digest": c["prefix_digest"],
-                            "cut_kind": c["cut_kind"],
-                        }
-                    else:  # regenerated after a restore, as the next attempt
+                    # A terminal completion is a whole answer: a resume returns it without
+                    # decoding. A call not cut is regenerated after a restore (next attempt).
+                    cont = Continuation.from_receipt(c)
+                    if not cont.cut:
                         not_cut[c["reason"]] += 1
-                    self._cuts[c["rollout_id"]] = cont
+                    self._cuts[c["rollout_id"]] = cont.to_record()
         self.participant.prepared(ckpt)
         return {"calls_cut": sum(1 for c in self._cuts.values() if "keys" in c),
                 "calls_not_cut": dict(not_cut)}  # fmt: skip
@@ -247,7 +235,7 @@ class RolloutEnvironment:
                 _, call_id, attempt = self._inflight[ep.rollout_id]
                 cut = self._cuts.get(ep.rollout_id)
                 same = cut and (cut["call_id"], cut["attempt"]) == (call_id, attempt)
-                cont = cut if same else {"call_id": call_id, "attempt": attempt}
+                cont = cut if same else Continuation(call_id=call_id, attempt=attempt).to_record()
             else:
                 cont = None  # parked at a turn boundary
             rec["continuation"] = cont

@@ -17,10 +17,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_recovery.data_plane.digest import token_digest
+from rollout_recovery.protocol import ID_PATTERN, MAX_ID_LENGTH, CallIdentity
 
 SCHEMA_VERSION = 4
 SCHEMA_FLOOR = 1
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class TokenEntryVersionError(ValueError):
@@ -40,15 +40,15 @@ class TokenEntry(BaseModel):
 
     schema_version: int = SCHEMA_VERSION
     # v1
-    rollout_id: str = Field(pattern=ID_PATTERN, max_length=128)
-    model_call_id: str = Field(pattern=ID_PATTERN, max_length=128)
+    rollout_id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_LENGTH)
+    model_call_id: str = Field(pattern=ID_PATTERN, max_length=MAX_ID_LENGTH)
     attempt: int = Field(0, ge=0)
     prompt_token_ids: list[int]
     generated_token_ids: list[int]
     generated_logprobs: list[float]
     finish_reason: str | None = None
     # v2
-    parent_call_id: str | None = Field(None, pattern=ID_PATTERN, max_length=128)
+    parent_call_id: str | None = Field(None, pattern=ID_PATTERN, max_length=MAX_ID_LENGTH)
     cumulative_len: int | None = None
     cumulative_digest: str | None = None
     # v3
@@ -93,7 +93,7 @@ class TokenEntry(BaseModel):
 
     @property
     def entry_id(self) -> str:
-        return f"{self.rollout_id}/{self.model_call_id}/a{self.attempt}"
+        return CallIdentity(self.rollout_id, self.model_call_id, self.attempt).key_prefix()
 
     def cumulative_ids(self) -> list[int]:
         """Prompt plus generated ids: what a child call's prompt must start with."""

@@ -22,12 +22,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from rollout_recovery.generation.capture import CallIdentity
+from rollout_recovery.protocol import CallIdentity
 
 ResumeVerdict = Literal["none", "resumed", "refused"]
 

@@ -2,8 +2,8 @@
 
 The worker wraps, on the engine *instance*, the output processor's `add_request`,
 `process_outputs` and `abort_requests` under one lock. Requests carry their identity in the
-OpenAI body's `vllm_xargs` (`rr_rollout_id`, `rr_model_call_id`, `rr_attempt`), which vLLM
-passes through as `SamplingParams.extra_args`. The capture keeps a reference to each call's
+OpenAI body's `vllm_xargs` (protocol.py), which vLLM passes through as
+`SamplingParams.extra_args`. The capture keeps a reference to each call's
 `RequestState` (its detokenizer holds the generated ids, its logprobs processor the sampled
 logprobs, both append-only), so a cut copies only tokens past what was already staged.
 
@@ -15,71 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from rollout_recovery.data_plane.digest import CHAIN_ROOT
 from rollout_recovery.generation.attempts import AttemptLog
-
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-XARG_ROLLOUT = "rr_rollout_id"
-XARG_CALL = "rr_model_call_id"
-XARG_ATTEMPT = "rr_attempt"
+from rollout_recovery.protocol import CallIdentity, identity_from_extra_args
 
 
 class CaptureSetupError(RuntimeError):
     pass
-
-
-class CallIdentity(NamedTuple):
-    rollout_id: str
-    model_call_id: str
-    attempt: int
-
-    def key_prefix(self) -> str:
-        return f"{self.rollout_id}/{self.model_call_id}/a{self.attempt}"
-
-    def chunk_key(self, chunk_seq: int) -> str:
-        return f"{self.key_prefix()}/c{chunk_seq:06d}"
-
-    def terminal_key(self) -> str:
-        return f"{self.key_prefix()}/terminal"
-
-    @classmethod
-    def of_chunk_key(cls, key: str) -> CallIdentity | None:
-        """The call attempt a chunk key belongs to (`rollout/call/a<attempt>/c<seq>`), or None
-        for a key of another shape."""
-        parts = key.split("/")
-        if len(parts) != 4 or not parts[2][1:].isdigit() or not parts[3].startswith("c"):
-            return None
-        return cls(parts[0], parts[1], int(parts[2][1:]))
-
-
-def check_id(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not ID_RE.fullmatch(value) or len(value) > 128:
-        raise ValueError(f"{name} must match ^[A-Za-z0-9][A-Za-z0-9._-]*$ (got {value!r})")
-    return value
-
-
-def identity_from_extra_args(extra: dict | None) -> CallIdentity | None:
-    """The call's identity, None when the request carries none; ValueError when malformed."""
-    if not extra or XARG_ROLLOUT not in extra:
-        return None
-    attempt = extra.get(XARG_ATTEMPT, 0)
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-        raise ValueError(f"{XARG_ATTEMPT} must be a non-negative integer (got {attempt!r})")
-    return CallIdentity(
-        check_id(XARG_ROLLOUT, extra[XARG_ROLLOUT]),
-        check_id(XARG_CALL, extra.get(XARG_CALL)),
-        attempt,
-    )
 
 
 def check_runtime() -> None:

@@ -22,6 +22,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from rollout_recovery.generation.attempts import AttemptPage
 from rollout_recovery.generation.cut import CutInventory, CutReceipt, CutService, InventoryTooLarge
 from rollout_recovery.generation.fence import MAX_EPOCH
+from rollout_recovery.protocol import (
+    XARG_REQUIRED_PREFIX,
+    check_continuation_fields,
+    identity_from_extra_args,
+)
 
 CONTROL_PREFIX = "/control/"
 
@@ -257,7 +262,7 @@ class RequestGate:
         prefix = prefix_supply.validate_prefix(data.pop(prefix_supply.FIELD))
         if path == "/v1/chat/completions":
             xargs = data.get("vllm_xargs") or {}
-            data["vllm_xargs"] = xargs | {prefix_supply.XARG_REQUIRED_PREFIX: prefix}
+            data["vllm_xargs"] = xargs | {XARG_REQUIRED_PREFIX: prefix}
         return prefix
 
     async def _tokenize_with_prefix(self, scope, receive, send, prefix: list[int]) -> None:
@@ -334,9 +339,6 @@ def _replay(messages: list[dict], receive):
 def _check_identity(data: dict) -> None:
     """The call identity and continuation fields as sent (vLLM's request model would turn a
     JSON `true` into 1 before the engine sees it)."""
-    from rollout_recovery.generation.capture import identity_from_extra_args
-    from rollout_recovery.generation.resume import check_continuation_fields
-
     xargs = data.get("vllm_xargs")
     identity_from_extra_args(xargs if isinstance(xargs, dict) else None)
     if isinstance(xargs, dict):

@@ -33,14 +33,10 @@ from rollout_recovery.data_plane.schemas import (
     chunk_rows_to_table,
     terminal_rows_to_table,
 )
-from rollout_recovery.generation.capture import (
-    CallIdentity,
-    CapturedCall,
-    TokenCapture,
-    check_id,
-)
+from rollout_recovery.generation.capture import CapturedCall, TokenCapture
 from rollout_recovery.generation.fence import Fence
 from rollout_recovery.generation.metrics import WorkerMetrics
+from rollout_recovery.protocol import CallIdentity, check_id
 
 
 class CallRef(BaseModel):

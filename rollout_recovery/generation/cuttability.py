@@ -7,21 +7,9 @@ prompt (see ../shared/notes/vllm-0.32-internals.md §5).
 
 from __future__ import annotations
 
-from rollout_recovery.generation.capture import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT
-from rollout_recovery.generation.sampler import SEED_KEY, TEMPERATURE_KEY
+from rollout_recovery.protocol import REQUEST_FIELDS, XARG_SEED
 
-SAMPLER_SEED_ARG = SEED_KEY
-SAMPLER_TEMPERATURE_ARG = TEMPERATURE_KEY
-RESUME_ARGS = ("rr_resume_keys", "rr_resume_tokens", "rr_resume_digest", "rr_resume_limit")
-KNOWN_EXTRA_ARGS = {
-    XARG_ROLLOUT,
-    XARG_CALL,
-    XARG_ATTEMPT,
-    SAMPLER_SEED_ARG,
-    SAMPLER_TEMPERATURE_ARG,
-    *RESUME_ARGS,
-    "rr_required_prefix",
-}
+KNOWN_EXTRA_ARGS = REQUEST_FIELDS
 
 UNCUTTABLE_REASONS = (
     "presence_penalty",
@@ -54,7 +42,7 @@ def uncuttable_reason(params, sampler_enabled: bool) -> str | None:
         return "unknown_logits_processor"
     if params.seed is not None:
         return "per_request_seed"
-    if SAMPLER_SEED_ARG in extra and not sampler_enabled:
+    if XARG_SEED in extra and not sampler_enabled:
         return "per_request_seed"
     if params.n > 1:
         return "n_greater_than_1"

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-XARG_REQUIRED_PREFIX = "rr_required_prefix"
+from rollout_recovery.protocol import XARG_REQUIRED_PREFIX
+
 FIELD = "required_prefix_token_ids"
 
 

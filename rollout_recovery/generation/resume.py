@@ -1,8 +1,8 @@
 """Resuming a restored call from its staged prefix, so the caller sees the uninterrupted result.
 
-A request may carry a continuation in `vllm_xargs` (`rr_resume_keys`, `rr_resume_tokens`,
-`rr_resume_digest`, optionally `rr_resume_limit`). Before the engine sees it, the worker fetches
-the chunk rows and validates all of them (present, in order, counts, digest chain, identity,
+A request may carry a continuation in `vllm_xargs` (protocol.py: the staged chunk keys, the
+prefix length and digest, optionally the output limit). Before the engine sees it, the worker
+fetches the chunk rows and validates all of them (present, in order, counts, digest chain, identity,
 weight versions, prompt); any mismatch fails closed with a named reason and the call is
 generated from scratch. Otherwise the engine prompt becomes the original prompt ids plus the
 prefix ids (never re-rendered), max/min tokens shrink by the prefix length, and when vLLM
@@ -34,13 +34,17 @@ import numpy as np
 from rollout_recovery import faults
 from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest, finish_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
-from rollout_recovery.generation.capture import CallIdentity, TokenCapture
+from rollout_recovery.generation.capture import TokenCapture
 from rollout_recovery.generation.metrics import WorkerMetrics
-
-RESUME_KEYS_ARG = "rr_resume_keys"
-RESUME_TOKENS_ARG = "rr_resume_tokens"
-RESUME_DIGEST_ARG = "rr_resume_digest"
-RESUME_LIMIT_ARG = "rr_resume_limit"
+from rollout_recovery.protocol import (
+    RESUME_DIGEST_ARG,
+    RESUME_KEYS_ARG,
+    RESUME_TOKENS_ARG,
+    CallIdentity,
+    ResumeRequest,
+    identity_from_extra_args,
+    resume_request,
+)
 
 
 class ResumeRefused(Exception):
@@ -126,42 +130,12 @@ def validate_chunks(
     )
 
 
-def parse_continuation(extra: dict) -> tuple[list[str], int, str, int | None] | None:
-    if RESUME_KEYS_ARG not in extra:
-        return None
+def parse_continuation(extra: dict) -> ResumeRequest | None:
+    """The continuation a request carries; ResumeRefused(malformed_continuation) when bad."""
     try:
-        check_continuation_fields(extra)
+        return resume_request(extra)
     except ValueError as err:
         raise ResumeRefused("malformed_continuation", str(err)) from None
-    return (extra[RESUME_KEYS_ARG], extra[RESUME_TOKENS_ARG], extra[RESUME_DIGEST_ARG],
-            extra.get(RESUME_LIMIT_ARG))  # fmt: skip
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def check_continuation_fields(xargs: dict) -> None:
-    """Types of the continuation fields as the caller sent them (raw JSON), before vLLM's
-    request model would coerce them (`true` into 1); ValueError names the field."""
-    if RESUME_KEYS_ARG not in xargs:
-        return
-    keys = xargs[RESUME_KEYS_ARG]
-    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
-        raise ValueError(f"{RESUME_KEYS_ARG} must be a non-empty list of staging keys")
-    bad = [k for k in keys if CallIdentity.of_chunk_key(k) is None]
-    if bad:
-        raise ValueError(
-            f"{RESUME_KEYS_ARG} must name chunk keys (<rollout>/<call>/a<attempt>/c<seq>); "
-            f"got {bad[0]!r}"
-        )
-    if not _is_int(xargs.get(RESUME_TOKENS_ARG)) or xargs[RESUME_TOKENS_ARG] < 1:
-        raise ValueError(f"{RESUME_TOKENS_ARG} must be a positive integer")
-    if not isinstance(xargs.get(RESUME_DIGEST_ARG), str):
-        raise ValueError(f"{RESUME_DIGEST_ARG} must be a hex digest string")
-    limit = xargs.get(RESUME_LIMIT_ARG)
-    if limit is not None and not _is_int(limit):
-        raise ValueError(f"{RESUME_LIMIT_ARG} must be an integer")
 
 
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps biases to this
@@ -270,8 +244,6 @@ class Resumer:
     async def _prepare(self, prompt, params, extra: dict) -> Prefix | None:
         """Fetch and validate a continuation and decide how the call goes on; every refusal
         is counted by reason and the call is decoded from scratch."""
-        from rollout_recovery.generation.capture import identity_from_extra_args
-
         identity = None
         try:
             identity = identity_from_extra_args(extra)

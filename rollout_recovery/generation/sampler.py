@@ -22,12 +22,14 @@ from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from rollout_recovery.protocol import XARG_SEED, XARG_TEMPERATURE
+
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 SAMPLER_FQCN = "rollout_recovery.generation.sampler:PositionKeyedSampler"
-SEED_KEY = "rr_seed"
-TEMPERATURE_KEY = "rr_temperature"
+SEED_KEY = XARG_SEED
+TEMPERATURE_KEY = XARG_TEMPERATURE
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0xCC9E2D51, 0x1B873593

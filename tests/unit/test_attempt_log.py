@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_recovery.generation.attempts import AttemptLog
-from rollout_recovery.generation.capture import CallIdentity
+from rollout_recovery.protocol import CallIdentity
 
 
 def test_records_what_happened_per_attempt():

@@ -1,0 +1,188 @@
+"""The wire protocol: every request field, identifier pattern and storage key this project adds.
+
+Stdlib and pydantic only, so any process (trainer, environment, worker, a user's client) can
+import it without vLLM or Ray. A call is named by `CallIdentity` (rollout id, model call id,
+attempt); everything stored about it is keyed by the grammar below:
+
+    <rollout>/<call>/a<attempt>             token entry id, and the prefix of the keys below
+    <rollout>/<call>/a<attempt>/c<seq:06d>  a staged chunk of the call's generated tokens
+    <rollout>/<call>/a<attempt>/terminal    the finished call's terminal row
+
+Requests carry the identity and, for a restored call, its `Continuation` in the OpenAI body's
+`vllm_xargs` (vLLM passes them through as `SamplingParams.extra_args`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+from pydantic import BaseModel, ConfigDict
+
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""Rollout ids, model call ids and checkpoint ids (at most `MAX_ID_LENGTH` characters)."""
+ID_RE = re.compile(ID_PATTERN)
+MAX_ID_LENGTH = 128
+
+# Request fields (`vllm_xargs`): the call's identity ...
+XARG_ROLLOUT = "rr_rollout_id"
+XARG_CALL = "rr_model_call_id"
+XARG_ATTEMPT = "rr_attempt"
+# ... the position-keyed sampler's seed and temperature ...
+XARG_SEED = "rr_seed"
+XARG_TEMPERATURE = "rr_temperature"
+# ... the exact prompt prefix a turn must continue (prefix supply) ...
+XARG_REQUIRED_PREFIX = "rr_required_prefix"
+# ... and a restored call's continuation.
+RESUME_KEYS_ARG = "rr_resume_keys"
+RESUME_TOKENS_ARG = "rr_resume_tokens"
+RESUME_DIGEST_ARG = "rr_resume_digest"
+RESUME_LIMIT_ARG = "rr_resume_limit"
+RESUME_ARGS = (RESUME_KEYS_ARG, RESUME_TOKENS_ARG, RESUME_DIGEST_ARG, RESUME_LIMIT_ARG)
+REQUEST_FIELDS = frozenset(
+    {XARG_ROLLOUT, XARG_CALL, XARG_ATTEMPT, XARG_SEED, XARG_TEMPERATURE, XARG_REQUIRED_PREFIX,
+     *RESUME_ARGS}
+)  # fmt: skip
+
+
+def check_id(name: str, value: Any) -> str:
+    """`value` if it is a valid identifier; ValueError naming `name` otherwise."""
+    if not isinstance(value, str) or not ID_RE.fullmatch(value) or len(value) > MAX_ID_LENGTH:
+        raise ValueError(f"{name} must match {ID_PATTERN} (got {value!r})")
+    return value
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (a boolean is not one, though Python says so)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class CallIdentity(NamedTuple):
+    """One attempt of one model call of one rollout, and the keys of what is stored for it."""
+
+    rollout_id: str
+    model_call_id: str
+    attempt: int
+
+    def key_prefix(self) -> str:
+        """`<rollout>/<call>/a<attempt>`: also the id of the attempt's token entry."""
+        return f"{self.rollout_id}/{self.model_call_id}/a{self.attempt}"
+
+    def chunk_key(self, chunk_seq: int) -> str:
+        return f"{self.key_prefix()}/c{chunk_seq:06d}"
+
+    def terminal_key(self) -> str:
+        return f"{self.key_prefix()}/terminal"
+
+    @classmethod
+    def of_chunk_key(cls, key: str) -> CallIdentity | None:
+        """The call attempt a chunk key belongs to, or None for a key of another shape."""
+        parts = key.split("/")
+        if len(parts) != 4 or not parts[2][1:].isdigit() or not parts[3].startswith("c"):
+            return None
+        if not parts[2].startswith("a") or not parts[3][1:].isdigit():
+            return None
+        return cls(parts[0], parts[1], int(parts[2][1:]))
+
+    def to_xargs(self) -> dict[str, Any]:
+        """The request fields that name this call attempt."""
+        return {XARG_ROLLOUT: self.rollout_id, XARG_CALL: self.model_call_id,
+                XARG_ATTEMPT: self.attempt}  # fmt: skip
+
+
+def identity_from_extra_args(extra: dict | None) -> CallIdentity | None:
+    """The call's identity from its request fields, None when the request carries none;
+    ValueError naming the field when one is malformed."""
+    if not extra or XARG_ROLLOUT not in extra:
+        return None
+    attempt = extra.get(XARG_ATTEMPT, 0)
+    if not is_int(attempt) or attempt < 0:
+        raise ValueError(f"{XARG_ATTEMPT} must be a non-negative integer (got {attempt!r})")
+    return CallIdentity(
+        check_id(XARG_ROLLOUT, extra[XARG_ROLLOUT]),
+        check_id(XARG_CALL, extra.get(XARG_CALL)),
+        attempt,
+    )
+
+
+def check_continuation_fields(xargs: dict) -> None:
+    """Types of the continuation fields as the caller sent them (raw JSON), before vLLM's
+    request model would coerce them (`true` into 1); ValueError names the field."""
+    if RESUME_KEYS_ARG not in xargs:
+        return
+    keys = xargs[RESUME_KEYS_ARG]
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) for k in keys):
+        raise ValueError(f"{RESUME_KEYS_ARG} must be a non-empty list of staging keys")
+    bad = [k for k in keys if CallIdentity.of_chunk_key(k) is None]
+    if bad:
+        raise ValueError(
+            f"{RESUME_KEYS_ARG} must name chunk keys (<rollout>/<call>/a<attempt>/c<seq>); "
+            f"got {bad[0]!r}"
+        )
+    if not is_int(xargs.get(RESUME_TOKENS_ARG)) or xargs[RESUME_TOKENS_ARG] < 1:
+        raise ValueError(f"{RESUME_TOKENS_ARG} must be a positive integer")
+    if not isinstance(xargs.get(RESUME_DIGEST_ARG), str):
+        raise ValueError(f"{RESUME_DIGEST_ARG} must be a hex digest string")
+    limit = xargs.get(RESUME_LIMIT_ARG)
+    if limit is not None and not is_int(limit):
+        raise ValueError(f"{RESUME_LIMIT_ARG} must be an integer")
+
+
+class Continuation(BaseModel):
+    """How the call in flight at a checkpoint goes on after a restore (an episode record's
+    `continuation`). Without `keys` it was not cut: the call is decoded again as the next
+    attempt. With them, the next attempt resumes from the staged prefix."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    call_id: str
+    attempt: int
+    keys: list[str] | None = None  # staged chunk keys, in order
+    tokens: int | None = None  # prefix length
+    digest: str | None = None  # the prefix's chained digest (hex)
+    cut_kind: str | None = None  # active_prefix or terminal_completion
+
+    @classmethod
+    def from_receipt(cls, call: dict) -> Continuation:
+        """From a cut receipt's entry for the call (`CallReceipt` as a dict)."""
+        cont = cls(call_id=call["model_call_id"], attempt=call["attempt"])
+        if call["disposition"] == "durable_prefix":
+            cont.keys, cont.tokens = call["staging_keys"], call["prefix_token_count"]
+            cont.digest, cont.cut_kind = call["prefix_digest"], call["cut_kind"]
+        return cont
+
+    @property
+    def cut(self) -> bool:
+        return bool(self.keys)
+
+    def to_record(self) -> dict:
+        """The JSON form kept in episode records and ledgers (unset fields left out)."""
+        return self.model_dump(exclude_none=True)
+
+    def to_request_fields(self, limit: int | None) -> dict[str, Any]:
+        """The request fields that make the next attempt resume from the prefix; `limit`:
+        the call's output limit (the resumed request must carry the same)."""
+        if not self.cut:
+            return {}
+        fields = {RESUME_KEYS_ARG: self.keys, RESUME_TOKENS_ARG: self.tokens,
+                  RESUME_DIGEST_ARG: self.digest}  # fmt: skip
+        return fields if limit is None else fields | {RESUME_LIMIT_ARG: limit}
+
+
+class ResumeRequest(NamedTuple):
+    """A continuation as a worker reads it from a request's fields."""
+
+    keys: list[str]
+    tokens: int
+    digest: str
+    limit: int | None
+
+
+def resume_request(xargs: dict) -> ResumeRequest | None:
+    """The continuation a request carries, None when it carries none; ValueError naming the
+    field when it is malformed."""
+    if RESUME_KEYS_ARG not in xargs:
+        return None
+    check_continuation_fields(xargs)
+    return ResumeRequest(xargs[RESUME_KEYS_ARG], xargs[RESUME_TOKENS_ARG],
+                         xargs[RESUME_DIGEST_ARG], xargs.get(RESUME_LIMIT_ARG))  # fmt: skip
