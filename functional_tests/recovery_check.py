@@ -397,10 +397,11 @@ def check_restored_once(
     cut call resumed with exactly its tail decoded and no committed turn decoded again.
     `counts`: the restore counters of the step the restore redid."""
     from rollout_recovery.data_plane.schemas import list_rows
+    from rollout_recovery.protocol import replay_key
 
     ledger, finished = killed["ledger"], set(killed["finished_keys"])
     unfinished = [e for e in ledger.get("episodes", [])
-                  if f"{e['group_id']}/{e['generation_index']:03d}" not in finished]  # fmt: skip
+                  if replay_key(e["group_id"], e["generation_index"]) not in finished]  # fmt: skip
     out = []
     if counts["restored_episodes"] != len(unfinished):
         out.append(f"{counts['restored_episodes']} episodes re-admitted, the snapshot holds "
@@ -410,7 +411,7 @@ def check_restored_once(
         out.append(f"[restore_refused] episode records started over: {refused}")
     table = batch(rec_dir, ledger["step"] + 1)
     masks = dict(zip(table.column("key").to_pylist(), list_rows(table, "loss_mask"), strict=True))
-    keys = {e["rollout_id"]: f"{e['group_id']}/{e['generation_index']:03d}" for e in unfinished}
+    keys = {e["rollout_id"]: replay_key(e["group_id"], e["generation_index"]) for e in unfinished}
 
     def length_of(rollout: str, call: str) -> int | None:
         runs = turn_lengths(masks[keys[rollout]]) if keys.get(rollout) in masks else []

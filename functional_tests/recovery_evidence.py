@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 
+from rollout_recovery import protocol
+
 Call = tuple[str, str]  # (rollout id, model call id)
 
 
@@ -59,15 +61,8 @@ def overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
 
 
 def of_step(records: Iterable[dict], step: int) -> list[dict]:
-    """The records of calls generated for trainer step `step` (the driver names rollouts
-    `s<step:04d>-p<prompt:03d>-g<generation>`)."""
-    return [r for r in records if r["rollout_id"].startswith(f"s{step:04d}-")]
-
-
-def rollout_of_replay_key(key: str) -> str:
-    """`s0001-p000/002` -> `s0001-p000-g2` (the driver's naming)."""
-    group, index = key.rsplit("/", 1)
-    return f"{group}-g{int(index)}"
+    """The records of calls generated for trainer step `step` (by the driver's rollout ids)."""
+    return [r for r in records if r["rollout_id"].startswith(protocol.step_prefix(step))]
 
 
 def committed(ledger: dict, finished_keys: Iterable[str]) -> tuple[set[Call], set[str]]:
@@ -78,7 +73,7 @@ def committed(ledger: dict, finished_keys: Iterable[str]) -> tuple[set[Call], se
         for e in ledger.get("episodes", [])
         for i in range(len(e["turns"]))
     }
-    return calls, {rollout_of_replay_key(k) for k in finished_keys}
+    return calls, {protocol.rollout_of_replay_key(k) for k in finished_keys}
 
 
 def lost_work(

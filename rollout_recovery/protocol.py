@@ -7,6 +7,9 @@ attempt); everything stored about it is keyed by the grammar below:
     <rollout>/<call>/a<attempt>             token entry id, and the prefix of the keys below
     <rollout>/<call>/a<attempt>/c<seq:06d>  a staged chunk of the call's generated tokens
     <rollout>/<call>/a<attempt>/terminal    the finished call's terminal row
+    <group>/<index:03d>                     a finished episode's replay row
+    <group>-g<index>                        the rollout id of a group's index-th episode
+    s<step:04d>-p<prompt:03d>               the GRPO driver's group ids
 
 Requests carry the identity and, for a restored call, its `Continuation` in the OpenAI body's
 `vllm_xargs` (vLLM passes them through as `SamplingParams.extra_args`).
@@ -43,6 +46,32 @@ REQUEST_FIELDS = frozenset(
     {XARG_ROLLOUT, XARG_CALL, XARG_ATTEMPT, XARG_SEED, XARG_TEMPERATURE, XARG_REQUIRED_PREFIX,
      *RESUME_ARGS}
 )  # fmt: skip
+
+
+def rollout_id(group_id: str, index: int) -> str:
+    """The rollout id of a group's `index`-th generation."""
+    return f"{group_id}-g{index}"
+
+
+def replay_key(group_id: str, index: int) -> str:
+    """The replay-row key of a group's `index`-th generation (sorts by group, then index)."""
+    return f"{group_id}/{index:03d}"
+
+
+def rollout_of_replay_key(key: str) -> str:
+    """`s0001-p000/002` -> `s0001-p000-g2`."""
+    group, index = key.rsplit("/", 1)
+    return rollout_id(group, int(index))
+
+
+def group_id(step: int, prompt: int) -> str:
+    """The GRPO driver's id of a step's `prompt`-th prompt group (its rollouts start with
+    `step_prefix(step)`)."""
+    return f"{step_prefix(step)}p{prompt:03d}"
+
+
+def step_prefix(step: int) -> str:
+    return f"s{step:04d}-"
 
 
 def check_id(name: str, value: Any) -> str:

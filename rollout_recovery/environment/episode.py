@@ -21,6 +21,7 @@ import numpy as np
 
 from rollout_recovery.data_plane import ReplayRow
 from rollout_recovery.environment.token_entry import TokenEntry
+from rollout_recovery.protocol import replay_key
 
 RECORD_FORMAT = 1
 
@@ -182,7 +183,7 @@ def replay_row(ep: Episode, reward: float, weight_version: int) -> ReplayRow:
         logprobs[start : start + len(gen)] = e.generated_logprobs
     first = ep.turns[0].entry
     return ReplayRow(
-        key=f"{ep.group_id}/{ep.generation_index:03d}",
+        key=replay_key(ep.group_id, ep.generation_index),
         rollout_id=ep.rollout_id,
         group_id=ep.group_id,
         generation_index=ep.generation_index,

@@ -41,7 +41,14 @@ from rollout_recovery.environment.lineage import LineageStore
 from rollout_recovery.environment.model_client import ModelCallClient
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_sink import StoreTokenSink
-from rollout_recovery.protocol import XARG_SEED, XARG_TEMPERATURE, CallIdentity, Continuation
+from rollout_recovery.protocol import (
+    XARG_SEED,
+    XARG_TEMPERATURE,
+    CallIdentity,
+    Continuation,
+    replay_key,
+    rollout_id,
+)
 
 
 class RolloutEnvironment:
@@ -105,7 +112,7 @@ class RolloutEnvironment:
         jobs = []
         for (gid, msgs), group_seeds in zip(groups, seeds, strict=True):
             for i, seed in enumerate(group_seeds):
-                rid, key = f"{gid}-g{i}", f"{gid}/{i:03d}"
+                rid, key = rollout_id(gid, i), replay_key(gid, i)
                 restored = self.pending.pop(rid, None)
                 if key in done:
                     jobs.append(self._existing(key))

@@ -47,6 +47,7 @@ from rollout_recovery.errors import (
     RunExistsError,
 )
 from rollout_recovery.model_identity import base_model_identity
+from rollout_recovery.protocol import group_id
 from rollout_recovery.restore import (
     DATA_PLANE,
     SnapshotChoice,
@@ -343,7 +344,7 @@ def _train_step(cfg, rr, storage: RunStorage, model, opt, step: int, weights_dir
     before = rr.counters()
     t0 = time.monotonic()
     prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
-    groups = [(f"s{step:04d}-p{i:03d}", msgs) for i, msgs in enumerate(prompts)]
+    groups = [(group_id(step, i), msgs) for i, msgs in enumerate(prompts)]
 
     def seeds(gi: int, gen: int, step: int = step) -> int:
         return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen

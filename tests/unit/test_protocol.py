@@ -64,3 +64,19 @@ def test_malformed_continuation_fields_name_the_field():
                        ("rr_resume_digest", 5), ("rr_resume_limit", "48")):  # fmt: skip
         with pytest.raises(ValueError, match=field):
             check_continuation_fields(good | {field: bad})
+
+
+def test_episode_names_round_trip():
+    from rollout_recovery.protocol import (
+        group_id,
+        replay_key,
+        rollout_id,
+        rollout_of_replay_key,
+        step_prefix,
+    )
+
+    gid = group_id(12, 3)
+    assert gid == "s0012-p003" and gid.startswith(step_prefix(12))
+    assert replay_key(gid, 2) == "s0012-p003/002"
+    assert rollout_of_replay_key(replay_key(gid, 2)) == rollout_id(gid, 2) == "s0012-p003-g2"
+    assert sorted(replay_key(gid, i) for i in (10, 2)) == [replay_key(gid, 2), replay_key(gid, 10)]
