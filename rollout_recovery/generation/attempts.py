@@ -124,6 +124,12 @@ class AttemptLog:
             entry = self._entry(identity)
             entry.finished, entry.finish_reason = True, reason
 
+    def decoded_tokens(self, identity: CallIdentity) -> int:
+        """Tokens the engine has sampled for this attempt so far (0 when unknown)."""
+        with self._lock:
+            entry = self._entries.get(identity)
+            return entry.decoded_tokens if entry is not None else 0
+
     def read(self, since: int = 0, limit: int | None = None) -> AttemptPage:
         """Records whose last change came after `since`, oldest change first (at most
         `limit`; read again from `next` for the rest)."""

@@ -216,30 +216,20 @@ class Resumer:
                 sampling_params.min_tokens = max(0, (original.min_tokens or 0) - k)
                 self.pending[request_id] = (prefix, original)
             streamed = prefix is not None and _is_delta(sampling_params)
-            decoded = 0
             try:
                 async for out in orig_generate(prompt, sampling_params, request_id, **kwargs):
-                    if prefix is not None:
-                        decoded = self._decoded(out, request_id, prefix, decoded)
                     if streamed:
                         streamed = False
                         self._prepend_prefix(out, prefix, request_id)
                     yield out
             finally:
-                if prefix is not None and decoded:
+                decoded = prefix and self.capture.attempts.decoded_tokens(prefix.identity)
+                if decoded:  # the engine's own count for this attempt (attempts.py)
                     self.metrics.count("resume.decoded_tokens", decoded)
                 self.pending.pop(request_id, None)
                 self.states.pop(request_id, None)
 
         engine.generate = generate
-
-    def _decoded(self, out, request_id: str, prefix: Prefix, so_far: int) -> int:
-        """Tokens the engine itself produced for a resumed call (its state holds the prefix
-        replayed plus what the engine appended since)."""
-        state = self.states.get(request_id)
-        if state is None:
-            return so_far
-        return max(so_far, state.detokenizer.num_output_tokens() - len(prefix.ids))
 
     async def _prepare(self, prompt, params, extra: dict) -> Prefix | None:
         """Fetch and validate a continuation and decide how the call goes on; every refusal

@@ -12,6 +12,7 @@ import ray
 
 from rollout_recovery.generation.control import MAX_CONTROL_BODY_BYTES as LIMIT
 from rollout_recovery.generation.fence import MAX_EPOCH_ADVANCE
+from tests.engine.test_resume import _body
 
 pytestmark = pytest.mark.engine
 MiB = 2**20
@@ -151,14 +152,7 @@ def test_call_attempt_evidence_is_read_in_pages_with_the_token(capture_worker):
     cursor, and equal to what the actor returns; a bad cursor is a 400 naming it."""
     worker, _ = capture_worker
     rollout = f"evidence-{time.time_ns()}"
-    body = {
-        "model": "policy",
-        "messages": [{"role": "user", "content": "Count to five."}],
-        "max_tokens": 7,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "vllm_xargs": {"rr_rollout_id": rollout, "rr_model_call_id": "c0", "rr_attempt": 0},
-    }
+    body = _body(rollout, 0, content="Count to five.", max_tokens=7, ignore_eos=True)
     r = httpx.post(f"{worker.info.url}/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     route = _control(worker, "call-attempts")
