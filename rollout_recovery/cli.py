@@ -4,10 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+import textwrap
 import time
+import types
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from rollout_recovery.config import ConfigError, dump_config, load_config
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from rollout_recovery.config import (
+    COMPONENT_VIEWS,
+    ConfigError,
+    dump_config,
+    load_config,
+    lookup_key,
+)
 
 DEFAULT_CONFIG = "configs/grpo_tiny_cpu.yaml"
 DEMO_PROMPT = "What is 2 + 3?"
@@ -42,22 +55,110 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    if args.explain is not None:
+        if args.overrides:
+            raise ConfigError(
+                "config --explain documents a key and reads no KEY=VALUE overrides; "
+                "drop them, or run `config` without --explain to check them"
+            )
+        sys.stdout.write(explain(args.explain))
+        return 0
     cfg = load_config(args.config, args.overrides)
     sys.stdout.write(dump_config(cfg))
     return 0
 
 
+def _type_text(annotation: Any) -> str:
+    """A field's type in YAML words: int, float, bool, str, `int or null`, `mapping of ...`."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _type_text(args[0])
+    if origin is Literal:
+        return " | ".join(str(a) for a in args)
+    if origin in (Union, types.UnionType):
+        named = [_type_text(a) for a in args if a is not type(None)]
+        return " or ".join(named) + (" or null" if type(None) in args else "")
+    if origin is dict:
+        return f"mapping of {_type_text(args[0])} to {_type_text(args[1])}"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "block"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+_WIDTH = 100  # columns `config --explain` fills
+
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _constraints_text(field: FieldInfo) -> str:
+    """Declared bounds and Literal choices, e.g. `>= 1`, `> 0 and <= 1`, `one of: cpu, cuda`."""
+    parts = []
+    for item in field.metadata:
+        for attr, op in _BOUNDS:
+            bound = getattr(item, attr, None)
+            if isinstance(bound, float) and bound.is_integer():
+                bound = int(bound)
+            if bound is not None:
+                parts.append(f"{op} {bound}")
+    if get_origin(field.annotation) is Literal:
+        parts.append("one of: " + ", ".join(str(a) for a in get_args(field.annotation)))
+    return " and ".join(parts) or "none"
+
+
+def _default_text(field: FieldInfo) -> str:
+    return json.dumps(field.get_default(call_default_factory=True))
+
+
+def _summary(text: str, width: int) -> str:
+    """A docstring's first sentence, cut to fit one line of `width` characters."""
+    flat = " ".join(text.split())
+    first = re.split(r"(?<!e\.g\.)(?<!i\.e\.)(?<=\.)\s+", flat, maxsplit=1)[0]
+    return textwrap.shorten(first, width=width, placeholder=" ...")
+
+
+def _paragraph(text: str) -> str:
+    return textwrap.fill(
+        " ".join(text.split()), _WIDTH, initial_indent="  ", subsequent_indent="  "
+    )
+
+
+def explain(key: str) -> str:
+    """What `config --explain KEY` prints: a setting's type, default, bounds and docstring, or
+    a block's docstring and its fields; an unknown key raises the loader's ConfigError."""
+    info = lookup_key(key)
+    top = key.split(".")[0]
+    views = [v.__name__ for v in COMPONENT_VIEWS if top in v.model_fields]
+    in_views = f"  in views: {', '.join(views)}\n" if views else ""
+    if info.block is None:
+        return (
+            f"{key}\n  type: {_type_text(info.field.annotation)}\n"
+            f"  default: {_default_text(info.field)}\n"
+            f"  constraints: {_constraints_text(info.field)}\n{in_views}\n"
+            f"{_paragraph(info.field.description or '')}\n"
+        )
+    fields = info.block.model_fields
+    width = max(len(name) for name in fields)
+    rows = [
+        f"  {name:<{width}}  {_summary(f.description or '', _WIDTH - width - 4)}"
+        for name, f in fields.items()
+    ]
+    return (
+        f"{key} (block)\n{in_views}\n{_paragraph(info.block.__doc__ or '')}\n\n"
+        f"fields (`config --explain {key}.FIELD` for one):\n" + "\n".join(rows) + "\n"
+    )
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     import httpx
 
-    from rollout_recovery.generation import start_workers, stop_workers
+    from rollout_recovery.generation import WorkerPool
     from rollout_recovery.runtime import init_ray
 
     cfg = load_config(args.config, args.overrides)
     init_ray(args.ray_address, log_to_driver=args.verbose)
     print(f"[demo] starting a GenerationWorker on {cfg.policy.model_path} ...", flush=True)
     t0 = time.monotonic()
-    workers = start_workers(cfg, num_workers=1)
+    workers = WorkerPool.start(cfg, num_workers=1)
     try:
         info = workers[0].info
         print(f"[demo] worker ready at {info.url} in {time.monotonic() - t0:.1f} s", flush=True)
@@ -81,17 +182,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"[demo] logprobs: {logprobs}")
         print(f"[demo] finish_reason: {choice['finish_reason']}  usage: {json.dumps(out['usage'])}")
     finally:
-        stop_workers(workers)
+        workers.stop()
     return 0
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from rollout_recovery.generation import start_workers, stop_workers
+    from rollout_recovery.generation import WorkerPool
     from rollout_recovery.runtime import init_ray
 
     cfg = load_config(args.config, args.overrides)
     init_ray(args.ray_address)
-    workers = start_workers(cfg)
+    workers = WorkerPool.start(cfg)
     try:
         for w in workers:
             print(f"worker {w.info.worker_index}: {w.info.url} (model {w.info.served_model_name})")
@@ -101,7 +202,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        stop_workers(workers)
+        workers.stop()
     return 0
 
 
@@ -137,10 +238,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "config",
-        help="validate a config (with overrides) and print it resolved",
-        description="Load a YAML config, apply KEY=VALUE overrides, validate, print as YAML.",
+        help="validate a config (with overrides) and print it resolved, or explain a key",
+        description="Load a YAML config, apply KEY=VALUE overrides, validate, print as YAML. "
+        "With --explain KEY, print what a key means instead (no config file is read).",
     )
     _add_config_args(p)
+    p.add_argument(
+        "--explain",
+        metavar="KEY",
+        help="print a key's type, default, bounds and meaning (e.g. "
+        "rollout_checkpointing.keep_latest_k), or a block's fields (e.g. token_capture)",
+    )
     p.set_defaults(func=_cmd_config)
 
     p = sub.add_parser(

@@ -1,7 +1,26 @@
 """One validated configuration for every component, loaded from YAML plus dotted overrides.
 
-Every block forbids unknown keys so a typo fails at load instead of silently running with a
-default. Errors are `ConfigError`s whose one-line message names the key and says how to fix it.
+A job is one YAML file, validated into `RolloutRecoveryConfig`: a tree of blocks (`policy`,
+`vllm_cfg`, `token_capture`, ...). Every block forbids unknown keys so a typo fails at load
+instead of silently running with a default. Errors are `ConfigError`s whose one-line message
+names the key and says how to fix it. Every field documents itself in the attribute docstring
+under it; `rollout-recovery config --explain KEY` prints that text with the field's type,
+default and bounds.
+
+Components do not take the whole job. Each takes a view holding only the blocks it reads,
+under the same names as in the job, so `cfg.vllm_cfg.host` reads the same in either:
+
+- `WorkerConfig` (`cfg.worker_config()`): policy, vllm_cfg, token_capture; what a
+  GenerationWorker reads.
+- `EnvironmentActorConfig` (`cfg.environment_config()`): policy, environment, token_capture,
+  rollout_recovery; what the rollout environment reads.
+- `CheckpointCoordinatorConfig` (`cfg.checkpoint_config()`): rollout_recovery,
+  rollout_checkpointing, checkpointing, token_capture; what the controller's checkpoint
+  protocol reads.
+
+A view is a copy taken from a validated job, so the rules that span blocks (checked on the job
+only) already hold for it. Views cross Ray process boundaries as `model_dump(mode="json")`
+dicts and are rebuilt with `from_dict`, which checks each block's own rules again.
 """
 
 from __future__ import annotations
@@ -10,8 +29,9 @@ import difflib
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self, TypeVar
 
 import yaml
 from pydantic import (
@@ -23,6 +43,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 TINY_MODEL_SCHEME = "tiny://"
 HUB_MODEL_SCHEME = "hf://"
@@ -53,27 +74,54 @@ Float = Annotated[float, BeforeValidator(_not_bool)]
 
 class _Block(BaseModel):
     # NaN compares false with every bound and inf never times out, so neither is a setting.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Field docs are the attribute docstrings under each field (shown by `config --explain`).
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, use_attribute_docstrings=True
+    )
 
 
 class GenerationConfig(_Block):
+    """How each model call of a rollout is sampled (`policy.generation`)."""
+
     temperature: Float = Field(1.0, ge=0.0)
+    """Sampling temperature of rollouts. The environment hands it to the position-keyed sampler
+    with a per-call seed (the engine itself runs the request greedy), so a call resumed from a
+    cut prefix draws the same tail. Above 0 at `rollout_recovery.target_level=prefix` it needs
+    `vllm_cfg.position_keyed_sampler=true`."""
+
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus-sampling cutoff; 1 keeps the whole distribution. The built-in environment does
+    not send it, and the position-keyed sampler refuses requests with top_p < 1: keep 1."""
+
     max_new_tokens: Int = Field(64, ge=1)
+    """Most tokens one model call may generate (its `max_tokens`). Each turn of a multi-turn episode
+    has its own budget; prompt plus this must fit `vllm_cfg.max_model_len`."""
+
     seed: Int = 0
+    """Unused by the built-in components. Every rollout's sampler seed derives from `grpo.seed` (per
+    step, group and generation), and each engine starts with seed 0."""
+
     top_logprobs: Int = Field(0, ge=0, le=20)
+    """Top alternatives per token a request may ask logprobs for. The engine's `--max-logprobs` is
+    set to at least this (and at least 20). `rollout_recovery.target_level=prefix` refuses values
+    above 0: only the sampled token's logprob is staged with a prefix."""
 
 
 class PolicyConfig(_Block):
-    model_path: str = Field(
-        f"{TINY_MODEL_SCHEME}default",
-        description=(
-            "A local model directory, `tiny://default` for the offline tiny Llama this project "
-            "builds, or `hf://<org>/<name>` for a hub model resolved on the node that serves it."
-        ),
-    )
+    """The model being trained and served, and how rollouts sample it."""
+
+    model_path: str = f"{TINY_MODEL_SCHEME}default"
+    """Which model to serve and train. A local model directory (must hold `config.json`; stored
+    resolved to an absolute path), `tiny://default` for the offline tiny Llama this project builds
+    and caches, or `hf://<org>/<name>` for a hub model resolved on the node that serves it. Every
+    snapshot records this model's digest, and a restore with another model is refused."""
+
     served_model_name: str = "policy"
+    """Name the workers serve the model under. It is the OpenAI `model` field of every request;
+    change it only to match clients that expect another name."""
+
     generation: GenerationConfig = GenerationConfig()
+    """Sampling settings of each model call."""
 
     @field_validator("model_path")
     @classmethod
@@ -97,33 +145,67 @@ class PolicyConfig(_Block):
 
 
 class VllmConfig(_Block):
+    """How each GenerationWorker starts its vLLM engine and where Ray places it."""
+
     device: Literal["cpu", "cuda"] = "cpu"
+    """Where each engine runs. `cpu` uses vLLM's CPU backend and reserves no GPU; `cuda` has Ray
+    reserve one GPU per worker."""
+
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    """Weight and activation dtype; `auto` takes the model's own. float32 is the default because
+    a resumed call reproducing the uninterrupted one exactly was established in float32 on
+    CPU; on GPU, bfloat16 is the usual choice."""
+
     gpu_memory_utilization: Float = Field(0.9, gt=0.0, le=1.0)
-    kv_cache_memory_bytes: Int | None = Field(
-        256 * 1024 * 1024,
-        ge=1024 * 1024,
-        description="Explicit KV cache size; on CPU always set it (utilization sizing drifts).",
-    )
+    """Fraction of a GPU's memory one engine may take. It covers weights plus KV cache, and is used
+    only when `kv_cache_memory_bytes` is null."""
+
+    kv_cache_memory_bytes: Int | None = Field(256 * 1024 * 1024, ge=1024 * 1024)
+    """KV cache size per engine, in bytes. Null sizes it from `gpu_memory_utilization` instead;
+    required on CPU, where sizing by utilization follows a NUMA node's free memory and so drifts
+    between runs."""
+
     max_model_len: Int = Field(1024, ge=16)
+    """Longest sequence an engine accepts, in tokens. It covers a call's prompt plus its generated
+    tokens (a later turn's prompt holds every earlier turn); larger values need a larger KV cache.
+    """
+
     enforce_eager: bool = True
+    """Run the model eagerly, without CUDA graph capture. Quicker startup, and what the tests run;
+    on GPU, false decodes faster at the cost of capture time and memory."""
+
     flat_logprobs: bool = True
+    """Keep captured requests' logprobs in vLLM's flat layout. One array per request rather than a
+    dict per token is cheaper to record; matters only with `token_capture.enabled=true`."""
+
     num_workers: Int = Field(1, ge=1)
+    """GenerationWorker actors to start, one engine each. The environment spreads episodes over them
+    round-robin."""
+
     enable_prefix_caching: bool = False
-    position_keyed_sampler: bool = Field(
-        True,
-        description="Register the position-keyed sampler: requests with vllm_xargs rr_seed "
-        "sample at rr_temperature with noise keyed by (seed, position), so resumes reproduce.",
-    )
-    worker_num_cpus: Float = Field(
-        1.0, ge=0.0, description="Ray CPUs reserved per GenerationWorker actor."
-    )
-    worker_resources: dict[str, Float] = Field(
-        default_factory=dict,
-        description="Extra Ray resources per worker, to place workers on chosen nodes.",
-    )
+    """Reuse cached KV blocks across requests that share a prompt prefix. Off by default: exact
+    parity between a resumed and an uninterrupted call was established with it off."""
+
+    position_keyed_sampler: bool = True
+    """Register the position-keyed sampler in every engine. Requests with vllm_xargs `rr_seed`
+    sample at `rr_temperature` with noise keyed by (seed, position), so a call resumed from a prefix
+    reproduces the uninterrupted tail. Prefix-level recovery with temperature > 0 needs it."""
+
+    worker_num_cpus: Float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved per GenerationWorker actor. 0 lets workers share cores with other actors.
+    """
+
+    worker_resources: dict[str, Float] = Field(default_factory=dict)
+    """Extra Ray resources reserved per worker, name to amount. Use them to place workers on chosen
+    nodes, e.g. `{node_a: 1}`."""
+
     host: str = "127.0.0.1"
+    """Address each worker's HTTP server binds and advertises. The environment connects to it, so on
+    a multi-node cluster set an address the environment's node can reach."""
+
     startup_timeout_s: Float = Field(600.0, gt=0.0)
+    """Seconds to wait for every worker to start. Loading the model, starting the server and warming
+    up must finish within it, or starting the workers fails."""
 
     @model_validator(mode="after")
     def _cpu_needs_explicit_kv(self) -> VllmConfig:
@@ -137,24 +219,57 @@ class VllmConfig(_Block):
 
 
 class TokenCaptureConfig(_Block):
+    """Whether the workers record every generated token and serve the checkpoint control
+    routes, and how requests carry token ids. Prefix-level recovery is built on it."""
+
     enabled: bool = False
-    control_timeout_s: Float = 10.0
+    """Install token capture in every worker. Each call's tokens and logprobs are recorded, finished
+    calls are staged, the control routes (fence, cut) are served, and a call can resume from a
+    staged prefix. `rollout_recovery.target_level=prefix` needs it; off, workers skip the per-token
+    bookkeeping and are not fenced at checkpoints."""
+
+    control_timeout_s: Float = Field(10.0, gt=0.0)
+    """Seconds a worker gives one control operation. That is staging a cut's rows, or fetching a
+    continuation's chunks when a call resumes (slower counts as the store being unavailable). The
+    controller's fence lease is the larger of 3 times this and
+    `rollout_checkpointing.attempt_timeout_s` + 5, so a fence a dead controller left behind lifts by
+    itself."""
+
     staging_partition: str = "rollout_staging"
+    """Data-plane partition of the chunk rows cut from in-flight calls. Resumed calls read their
+    prefix from it, and the environment deletes rows no call needs at each commit."""
+
     terminal_partition: str = "rollout_terminal"
+    """Data-plane partition of finished calls' token rows. Each worker stages every finished
+    call's full token row there."""
+
     max_inventory_calls: Int = Field(4096, ge=1)
-    max_attempt_records: Int = Field(
-        100_000,
-        ge=1,
-        description="Call attempts each worker remembers what its engine did for (resume "
-        "verdict, prefix, decoded tokens); older ones are dropped and counted.",
-    )
-    request_token_ids: bool = Field(
-        True, description="Ask the workers for prompt and generated token ids (return_token_ids)."
-    )
-    supply_prefix_token_ids: bool = Field(
-        False, description="Send a resolved parent's exact tokens as the call's required prefix."
-    )
+    """Most calls one cut request may name. A cut request lists a worker's calls in flight; a longer
+    one is refused, which bounds the control request body. Raise it only if one worker runs more
+    concurrent calls than this."""
+
+    max_attempt_records: Int = Field(100_000, ge=1)
+    """Call attempts each worker keeps a record of. A record says what the engine did for the
+    attempt (resume verdict, prefix, decoded tokens); older ones are dropped and counted."""
+
+    request_token_ids: bool = True
+    """Ask the workers for prompt and generated token ids (`return_token_ids`). The environment
+    builds its token entries from them, and the returned prompt ids prove a supplied prefix was
+    used."""
+
+    supply_prefix_token_ids: bool = False
+    """Send a parent turn's exact tokens as the call's required prefix. This keeps a multi-turn
+    episode one token sequence: `environment.max_turns` > 1 needs it, and it needs
+    `request_token_ids=true` and chat completions."""
+
     use_completions_api: bool = False
+    """Declare that model calls use the completions API. A supplied prefix cannot be proven there,
+    so this is refused with `supply_prefix_token_ids=true`; it has no other effect (the built-in
+    environment always uses chat completions)."""
+
+    control_auth_token: str | None = None
+    """Bearer token the control routes require. Leave it unset: starting the workers mints a
+    fresh one per run. Set it only when a process outside the job must call those routes."""
 
     @model_validator(mode="after")
     def _supply_needs_proof(self) -> TokenCaptureConfig:
@@ -172,53 +287,66 @@ class TokenCaptureConfig(_Block):
             )
         return self
 
-    control_auth_token: str | None = Field(
-        None, description="Bearer token for control routes; minted per run when unset."
-    )
-
-    @field_validator("control_timeout_s")
-    @classmethod
-    def _positive_timeout(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError(f"must be > 0 seconds (got {value}); set e.g. 10")
-        return value
-
 
 class RolloutRecoveryLevelConfig(_Block):
+    """How much in-flight rollout work survives a crash (`rollout_recovery`)."""
+
     target_level: Literal["none", "turn", "prefix"] = "none"
+    """Finest recovery level: none, turn or prefix. `none`: finished rollouts at the last trainer
+    checkpoint survive a crash. `turn`: also every episode's committed turns and tool state (needs
+    `checkpointing.save_data_plane=true`). `prefix`: also the decoded prefix of every call in flight
+    (also needs `token_capture.enabled=true`). At `turn` and `prefix` the controller also
+    checkpoints every `rollout_checkpointing.snapshot_attempt_interval_s` during generation."""
 
 
 class RolloutCheckpointingConfig(_Block):
-    snapshot_attempt_interval_s: Float = 60.0
-    attempt_timeout_s: Float = Field(
-        60.0, gt=0.0, description="A checkpoint attempt still running after this is aborted."
-    )
-    keep_latest_k: Int = 3
+    """How often data-plane snapshots are attempted, how long one may take, and how many are
+    kept. The split: `checkpointing` says where a run's checkpoints go and whether snapshots are
+    written at all; this block says how often, how long, how many, and which one a restore
+    takes."""
+
+    snapshot_attempt_interval_s: Float = Field(60.0, gt=0.0)
+    """Seconds between checkpoint attempts during generation. Only at
+    `rollout_recovery.target_level` turn or prefix; at none, snapshots only follow trainer
+    checkpoints. Shorter loses less work to a crash but fences the workers and parks episodes more
+    often."""
+
+    attempt_timeout_s: Float = Field(60.0, gt=0.0)
+    """Seconds one checkpoint attempt may take. An attempt (fence, prepare, commit, snapshot)
+    running longer is aborted, its snapshot is never published, and it counts as a failure."""
+
+    keep_latest_k: Int = Field(3, ge=1)
+    """Snapshots to keep, newest first. After each checkpoint the newest k that verify stay and
+    older ones are deleted. It also governs trainer-checkpoint retention (training/driver.py):
+    trainer checkpoints older than the oldest kept snapshot are deleted, and without snapshots
+    (`checkpointing.save_data_plane=false`) the newest k + 1 stay. The newest snapshot that verifies
+    and the newest trainer checkpoint are never deleted."""
+
     max_consecutive_failures: Int = Field(3, ge=1)
+    """Failed checkpoint attempts in a row that stop the run. Attempts on the cadence and after
+    trainer checkpoints count together; fewer failures are logged and the run goes on."""
+
     restore_mode: Literal["latest", "trainer_checkpoint"] = "latest"
-
-    @field_validator("snapshot_attempt_interval_s")
-    @classmethod
-    def _positive_interval(cls, value: float) -> float:
-        if value <= 0:
-            raise ValueError(f"must be > 0 seconds (got {value}); set e.g. 60")
-        return value
-
-    @field_validator("keep_latest_k")
-    @classmethod
-    def _keep_at_least_one(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError(
-                f"must be >= 1 (got {value}); keeping 0 snapshots leaves none to restore"
-            )
-        return value
+    """Which snapshot `train --restore` takes. `latest` tries every published snapshot newest
+    first; `trainer_checkpoint` considers only those taken right after a trainer checkpoint."""
 
 
 class CheckpointingConfig(_Block):
-    checkpoint_dir: str = Field(
-        "runs/checkpoints", description="A local path or a pyarrow.fs URI (s3://, gs://)."
-    )
+    """Where a run's checkpoints live and whether the data plane is snapshotted. The split:
+    this block says where and whether; `rollout_checkpointing` says how often, how long and
+    how many."""
+
+    checkpoint_dir: str = "runs/checkpoints"
+    """The run's root: a local path or a pyarrow.fs URI. Trainer checkpoints, data-plane snapshots
+    (`data_plane/`), `steps.jsonl` and `checkpoints.jsonl` go under it. A local path is kept as
+    written and resolved where the run starts; URIs may use s3://, gs://, hdfs:// and the other
+    schemes pyarrow.fs opens. A fresh `train` refuses a location that already holds a run."""
+
     save_data_plane: bool = False
+    """Snapshot the data plane after every trainer checkpoint. The snapshot holds replay rows,
+    staged tokens and the episode ledger, and at turn or prefix level snapshots are also taken on
+    the cadence. Off, only trainer checkpoints are written and `train --restore` has no snapshot to
+    continue from; `rollout_recovery.target_level` turn and prefix need it on."""
 
     @field_validator("checkpoint_dir")
     @classmethod
@@ -235,34 +363,148 @@ class CheckpointingConfig(_Block):
 
 
 class GrpoConfig(_Block):
+    """The shipped GRPO driver's training loop."""
+
     steps: Int = Field(3, ge=1)
+    """Trainer steps in the run. `train --restore` continues until this many are done, so raise it
+    to train a finished run further."""
+
     prompts_per_step: Int = Field(2, ge=1)
+    """Prompts (GRPO groups) sampled per step."""
+
     generations_per_prompt: Int = Field(4, ge=2)
+    """Rollouts per prompt, i.e. the GRPO group size. Advantages are relative within a group, so at
+    least 2."""
+
     learning_rate: Float = Field(1e-4, gt=0.0)
+    """AdamW learning rate of the policy."""
+
     seed: Int = 0
+    """Seed of the run's randomness. It seeds torch, each step's prompts and every rollout's sampler
+    seed, so a run and its restore sample the same."""
 
 
 class EnvironmentConfig(_Block):
-    max_turns: Int = Field(
-        1,
-        ge=1,
-        le=16,
-        description="Model calls per episode: 1 is single-turn GRPO; more makes multi-turn "
-        "episodes where the tally tool acts between calls.",
-    )
+    """The episodes the rollout environment runs."""
+
+    max_turns: Int = Field(1, ge=1, le=16)
+    """Model calls per episode. 1 is single-turn GRPO; more makes multi-turn episodes where the
+    tally tool acts between calls (needs `token_capture.supply_prefix_token_ids=true`)."""
+
+
+class _ComponentConfig(_Block):
+    """A component's view of the job: the job's blocks it reads, under the job's names. Every
+    block is required, so a view is always taken whole from a job, never filled in with
+    defaults."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """Rebuild a view sent as a dict; raises ConfigError with a one-line reason."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(f"invalid {cls.__name__}: {_format_validation_error(err)}") from None
+
+
+class WorkerConfig(_ComponentConfig):
+    """What a GenerationWorker reads: the model to serve, its engine, and token capture."""
+
+    policy: PolicyConfig
+    """The model to serve and its served name; `generation.top_logprobs` sets the engine's
+    logprob limit."""
+
+    vllm_cfg: VllmConfig
+    """Engine arguments, the position-keyed sampler, and the host to bind."""
+
+    token_capture: TokenCaptureConfig
+    """Whether to install capture, the control routes and resume, and their limits."""
+
+
+class EnvironmentActorConfig(_ComponentConfig):
+    """What the rollout environment reads: how to sample, how many turns, what to cut."""
+
+    policy: PolicyConfig
+    """`generation`: each call's temperature and token budget."""
+
+    environment: EnvironmentConfig
+    """Turns per episode."""
+
+    token_capture: TokenCaptureConfig
+    """Prefix supply, token-id requests, and the staging partition cleaned at each commit."""
+
+    rollout_recovery: RolloutRecoveryLevelConfig
+    """At prefix level, in-flight calls are cut at each checkpoint."""
+
+
+class CheckpointCoordinatorConfig(_ComponentConfig):
+    """What the controller's checkpoint protocol reads: when to checkpoint, where, how many to
+    keep, and which workers to fence."""
+
+    rollout_recovery: RolloutRecoveryLevelConfig
+    """Whether to checkpoint during generation, and the level each ledger records."""
+
+    rollout_checkpointing: RolloutCheckpointingConfig
+    """Cadence, attempt timeout, failure limit, retention and restore mode."""
+
+    checkpointing: CheckpointingConfig
+    """Where snapshots go, and whether one follows each trainer checkpoint."""
+
+    token_capture: TokenCaptureConfig
+    """Whether the workers are fenced, and the control timeout the fence lease derives from."""
+
+
+COMPONENT_VIEWS: tuple[type[_ComponentConfig], ...] = (
+    WorkerConfig,
+    EnvironmentActorConfig,
+    CheckpointCoordinatorConfig,
+)
+_View = TypeVar("_View", bound=_ComponentConfig)
 
 
 class RolloutRecoveryConfig(_Block):
-    """The whole job configuration (one YAML file)."""
+    """The whole job configuration (one YAML file). Rules that span blocks live here."""
 
     policy: PolicyConfig = PolicyConfig()
+    """The model being trained and served, and how rollouts sample it."""
+
     vllm_cfg: VllmConfig = VllmConfig()
+    """How each GenerationWorker's vLLM engine starts and where Ray places it."""
+
     token_capture: TokenCaptureConfig = TokenCaptureConfig()
+    """Token capture in the workers and token ids in requests (prefix-level recovery)."""
+
     rollout_recovery: RolloutRecoveryLevelConfig = RolloutRecoveryLevelConfig()
+    """How much in-flight rollout work survives a crash."""
+
     rollout_checkpointing: RolloutCheckpointingConfig = RolloutCheckpointingConfig()
+    """How often snapshots are attempted, how long one may take, and how many are kept."""
+
     checkpointing: CheckpointingConfig = CheckpointingConfig()
+    """Where checkpoints live and whether the data plane is snapshotted."""
+
     environment: EnvironmentConfig = EnvironmentConfig()
+    """The episodes the rollout environment runs."""
+
     grpo: GrpoConfig = GrpoConfig()
+    """The shipped GRPO driver's training loop."""
+
+    def worker_config(self) -> WorkerConfig:
+        """What a GenerationWorker reads (a copy)."""
+        return self._view(WorkerConfig)
+
+    def environment_config(self) -> EnvironmentActorConfig:
+        """What the rollout environment reads (a copy)."""
+        return self._view(EnvironmentActorConfig)
+
+    def checkpoint_config(self) -> CheckpointCoordinatorConfig:
+        """What the controller's checkpoint protocol reads (a copy)."""
+        return self._view(CheckpointCoordinatorConfig)
+
+    def _view(self, view: type[_View]) -> _View:
+        # Deep copies: a component changing its view must not change the job or another view.
+        return view.model_validate(
+            {name: getattr(self, name).model_copy(deep=True) for name in view.model_fields}
+        )
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> RolloutRecoveryConfig:
@@ -327,6 +569,48 @@ def _unknown_key_message(path: Sequence[str]) -> str:
     return message
 
 
+@dataclass(frozen=True)
+class KeyInfo:
+    """One documented key of the job config: a setting, or a block of settings."""
+
+    key: str
+    field: FieldInfo
+    block: type[BaseModel] | None
+    """The block the key opens; None for a setting."""
+
+
+def lookup_key(key: str) -> KeyInfo:
+    """The field at a dotted key (`rollout_checkpointing.keep_latest_k`, `token_capture`);
+    raises ConfigError with the loader's unknown-key message (and its suggestion)."""
+    path = key.split(".")
+    if not _known_key(path):
+        raise ConfigError(_unknown_key_message(path))
+    fields = RolloutRecoveryConfig.model_fields
+    for part in path:
+        field = fields[part]
+        block = _block_model(field.annotation)
+        fields = block.model_fields if block is not None else {}
+    return KeyInfo(key, field, block)
+
+
+_BOUND_ERRORS = {
+    "greater_than": ("gt", ">"),
+    "greater_than_equal": ("ge", ">="),
+    "less_than": ("lt", "<"),
+    "less_than_equal": ("le", "<="),
+}
+
+
+def _bound_message(key: str, kind: str, ctx: dict[str, Any]) -> str:
+    """`must be > 0 seconds`: the bound as declared, with the unit the key's suffix names."""
+    name, op = _BOUND_ERRORS[kind]
+    bound = ctx[name]
+    if isinstance(bound, float) and bound.is_integer():
+        bound = int(bound)
+    unit = " seconds" if key.endswith("_s") else " bytes" if key.endswith("_bytes") else ""
+    return f"must be {op} {bound}{unit}"
+
+
 def _format_validation_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
@@ -339,6 +623,8 @@ def _format_validation_error(err: ValidationError) -> str:
             msg = e["msg"].removeprefix("Value error, ")
             if e["type"] == "finite_number":
                 msg = "must be a finite number, not NaN or infinity"
+            elif e["type"] in _BOUND_ERRORS:
+                msg = _bound_message(key, e["type"], e.get("ctx", {}))
             where = f"`{key}`" if key else "config"
             parts.append(f"{where}: {msg} (got {e.get('input')!r})")
     return "; ".join(parts)

@@ -24,3 +24,10 @@ class RunExistsError(RecoveryError):
 
 class CheckpointWriteError(RecoveryError):
     """A checkpoint could not be written (a full or read-only disk, a lost object store)."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line, unwrapped from Ray's task error."""
+    cause = getattr(err, "cause", None) or err
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return text if len(text) < 500 else text[:497] + "..."

@@ -11,6 +11,10 @@ training sample. So every snapshot records
 and every trainer checkpoint records the digest of its model tensors. The digest is canonical:
 sha256 over the tensors sorted by name, each as name, dtype, shape and raw bytes, read from
 safetensors headers, so the same tensors give the same digest whichever file holds them.
+
+`resolve_model_path` turns the configured `policy.model_path` into what vLLM and the trainer
+load: the directory of the offline tiny model for `tiny://default`, a hub name for
+`hf://<org>/<name>`, or the local directory as configured.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import os
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+
+from rollout_recovery.config import HUB_MODEL_SCHEME, TINY_MODEL_SCHEME
 
 DOMAIN = b"rollout_recovery/weights/v1\x00"
 _IDENTITY_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
@@ -80,3 +86,15 @@ def base_model_identity(model_path: str, resolved_dir: str | None) -> dict:
         if f.is_file():
             h.update(name.encode() + b"\x00" + hashlib.sha256(f.read_bytes()).digest())
     return {"path": model_path, "sha256": h.hexdigest()}
+
+
+def resolve_model_path(model_path: str) -> str:
+    """Turn a validated `policy.model_path` into something vLLM's `--model` accepts. The tiny
+    model is built (once, cached) on the node that asks, so import its builder only then."""
+    if model_path.startswith(TINY_MODEL_SCHEME):
+        from rollout_recovery.tiny_model import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    if model_path.startswith(HUB_MODEL_SCHEME):
+        return model_path.removeprefix(HUB_MODEL_SCHEME)
+    return model_path

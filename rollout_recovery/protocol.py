@@ -7,6 +7,7 @@ attempt); everything stored about it is keyed by the grammar below:
     <rollout>/<call>/a<attempt>             token entry id, and the prefix of the keys below
     <rollout>/<call>/a<attempt>/c<seq:06d>  a staged chunk of the call's generated tokens
     <rollout>/<call>/a<attempt>/terminal    the finished call's terminal row
+    <rollout>/<call>/incomplete             a lost call's token-entry marker
     <group>/<index:03d>                     a finished episode's replay row
     <group>-g<index>                        the rollout id of a group's index-th episode
     s<step:04d>-p<prompt:03d>               the GRPO driver's group ids
@@ -17,15 +18,22 @@ Requests carry the identity and, for a restored call, its `Continuation` in the 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
+
+if TYPE_CHECKING:
+    from rollout_recovery.data_plane import ReplayRow
 
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 """Rollout ids, model call ids and checkpoint ids (at most `MAX_ID_LENGTH` characters)."""
 ID_RE = re.compile(ID_PATTERN)
 MAX_ID_LENGTH = 128
+KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/-]*$"
+"""Data-plane row keys: identifiers joined by `/` (the grammar above)."""
 
 # Request fields (`vllm_xargs`): the call's identity ...
 XARG_ROLLOUT = "rr_rollout_id"
@@ -56,6 +64,16 @@ def rollout_id(group_id: str, index: int) -> str:
 def replay_key(group_id: str, index: int) -> str:
     """The replay-row key of a group's `index`-th generation (sorts by group, then index)."""
     return f"{group_id}/{index:03d}"
+
+
+def incomplete_key(rollout: str, model_call_id: str) -> str:
+    """The token-entry key recording that a call was lost (never silently dropped)."""
+    return f"{rollout}/{model_call_id}/incomplete"
+
+
+def is_incomplete_key(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) == 3 and parts[2] == "incomplete"
 
 
 def rollout_of_replay_key(key: str) -> str:
@@ -157,6 +175,64 @@ def check_continuation_fields(xargs: dict) -> None:
         raise ValueError(f"{RESUME_LIMIT_ARG} must be an integer")
 
 
+class CallRef(BaseModel):
+    """One call attempt named in a cut inventory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    model_call_id: str
+    attempt: StrictInt = Field(0, ge=0)
+
+    @field_validator("rollout_id", "model_call_id")
+    @classmethod
+    def _ids(cls, v: str, info) -> str:
+        return check_id(info.field_name, v)
+
+    def identity(self) -> CallIdentity:
+        return CallIdentity(self.rollout_id, self.model_call_id, self.attempt)
+
+
+class CutInventory(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint_id: str
+    calls: list[CallRef]
+
+    @field_validator("checkpoint_id")
+    @classmethod
+    def _ckpt(cls, v: str) -> str:
+        return check_id("checkpoint_id", v)
+
+    def digest(self) -> str:
+        body = json.dumps([c.model_dump() for c in self.calls], sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()
+
+
+class CallReceipt(BaseModel):
+    rollout_id: str
+    model_call_id: str
+    attempt: int
+    disposition: Literal["durable_prefix", "durable_failure"]
+    cut_kind: Literal["active_prefix", "terminal_completion"] | None = None
+    staging_keys: list[str] = []
+    prefix_token_count: int = 0
+    prefix_digest: str | None = None
+    effective_output_limit: int | None = None
+    finish_reason: str | None = None  # terminal_completion: how the call finished
+    reason: str | None = None
+
+
+class CutReceipt(BaseModel):
+    checkpoint_id: str
+    inventory_digest: str
+    calls: list[CallReceipt]
+    staged_rows: int
+    staged_tokens: int
+    lock_hold_us: float
+    elapsed_s: float
+
+
 class Continuation(BaseModel):
     """How the call in flight at a checkpoint goes on after a restore (an episode record's
     `continuation`). Without `keys` it was not cut: the call is decoded again as the next
@@ -172,13 +248,19 @@ class Continuation(BaseModel):
     cut_kind: str | None = None  # active_prefix or terminal_completion
 
     @classmethod
-    def from_receipt(cls, call: dict) -> Continuation:
-        """From a cut receipt's entry for the call (`CallReceipt` as a dict)."""
-        cont = cls(call_id=call["model_call_id"], attempt=call["attempt"])
-        if call["disposition"] == "durable_prefix":
-            cont.keys, cont.tokens = call["staging_keys"], call["prefix_token_count"]
-            cont.digest, cont.cut_kind = call["prefix_digest"], call["cut_kind"]
+    def from_receipt(cls, call: CallReceipt | dict) -> Continuation:
+        """From a cut receipt's entry for the call."""
+        call = CallReceipt.model_validate(call)
+        cont = cls(call_id=call.model_call_id, attempt=call.attempt)
+        if call.disposition == "durable_prefix":
+            cont.keys, cont.tokens = call.staging_keys, call.prefix_token_count
+            cont.digest, cont.cut_kind = call.prefix_digest, call.cut_kind
         return cont
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler) -> dict[str, Any]:
+        """Records and ledgers keep only the fields a continuation has."""
+        return {k: v for k, v in handler(self).items() if v is not None}
 
     @property
     def cut(self) -> bool:
@@ -186,7 +268,7 @@ class Continuation(BaseModel):
 
     def to_record(self) -> dict:
         """The JSON form kept in episode records and ledgers (unset fields left out)."""
-        return self.model_dump(exclude_none=True)
+        return self.model_dump()
 
     def to_request_fields(self, limit: int | None) -> dict[str, Any]:
         """The request fields that make the next attempt resume from the prefix; `limit`:
@@ -215,3 +297,83 @@ def resume_request(xargs: dict) -> ResumeRequest | None:
     check_continuation_fields(xargs)
     return ResumeRequest(xargs[RESUME_KEYS_ARG], xargs[RESUME_TOKENS_ARG],
                          xargs[RESUME_DIGEST_ARG], xargs.get(RESUME_LIMIT_ARG))  # fmt: skip
+
+
+# ---------------------------------------------------------------- episode records and ledgers
+
+EPISODE_RECORD_FORMAT = 1
+LEDGER_FORMAT = 3  # 3: the model identity (base model, weight version and digest)
+
+
+class TurnRef(BaseModel):
+    """A committed turn in an episode record: its token entry, by id and payload digest (the
+    tokens stay in the data plane), and where its request ends in the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    entry_id: str
+    payload_sha256: str
+    request_messages: int  # the call's request was messages[:request_messages]
+
+
+class EpisodeRecord(BaseModel):
+    """An unfinished episode as a checkpoint keeps it: restoring it re-admits the episode as
+    attempt + 1 from its last committed turn (or from its in-flight call's cut)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: int = EPISODE_RECORD_FORMAT
+    rollout_id: str
+    group_id: str
+    generation_index: int
+    seed: int
+    attempt: int
+    messages: list[dict[str, Any]]
+    state: dict[str, Any] | None
+    turns: list[TurnRef] = []
+    continuation: Continuation | None = None
+
+
+class ServedModel(BaseModel):
+    """The model that decoded a snapshot's tokens: a restore with another one is refused."""
+
+    base: dict[str, Any]  # model_identity.base_model_identity: path and weights digest
+    weight_version: int
+    weights_sha256: str | None  # None: the base model's weights were served
+
+
+class CheckpointRecords(BaseModel):
+    """What the environment commits at a checkpoint: every unfinished episode's record, and
+    the continuation of each call in flight, by rollout id."""
+
+    episodes: list[EpisodeRecord] = []
+    continuations: dict[str, Continuation] = {}
+    chunk_rows_swept: int = 0  # staging rows of finished or dead calls deleted on commit
+
+
+class Ledger(BaseModel):
+    """A snapshot's `ledger.json`: when it was taken, at what level, with which model, and
+    the episode records a restore loads."""
+
+    format: int = LEDGER_FORMAT
+    step: int  # the trainer step whose rollouts were being generated
+    weight_version: int
+    reason: str  # cadence or trainer_checkpoint
+    level: Literal["none", "turn", "prefix"]
+    model: ServedModel
+    episodes: list[EpisodeRecord] = []
+    continuations: dict[str, Continuation] = {}
+
+    def holds_unfinished_work(self) -> bool:
+        return bool(self.continuations or self.episodes)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+
+
+class EpisodeOutcome(NamedTuple):
+    """A finished episode as the environment returns it."""
+
+    row: ReplayRow  # its training row (already durable in `replay`)
+    decoded_tokens: int  # tokens the engines decoded for it in this run
+    state: dict[str, Any] | None  # the tool's final state (None: finished before a restore)

@@ -1,8 +1,22 @@
-"""Starting or joining Ray with the project's defaults."""
+"""Starting or joining Ray, hosting a class as an actor, and a private event loop on a thread.
+
+Each is the one way the project does it, so actor options (resources, the armed test fault)
+and loop ownership are decided in one place.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
 import ray
+
+from rollout_recovery import faults
+from rollout_recovery.errors import RecoveryError
+
+T = TypeVar("T")
 
 
 def init_ray(
@@ -18,3 +32,76 @@ def init_ray(
     if address == "local" and num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
     ray.init(address=address, **kwargs)
+
+
+def actor_class(cls: type, **options: Any) -> Any:
+    """`cls` as a Ray actor class with `options`; an armed test fault (faults.py) is added to
+    its runtime environment, so every actor of a faulted run sees the same faults."""
+    fault_env = faults.actor_env_vars()
+    if fault_env:
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = dict(runtime_env.get("env_vars") or {}) | fault_env
+        options["runtime_env"] = runtime_env
+    return ray.remote(cls).options(**options)
+
+
+class LoopThread:
+    """An asyncio loop on its own daemon thread, for synchronous objects whose work is async.
+
+    The caller's thread may already run a loop (a Ray actor's does), so the object owns a
+    private one; it also owns the loop's resources (HTTP connection pools), which must be
+    used from the loop that made them.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a synchronous step on the loop thread (for state only that thread may touch)."""
+
+        async def step() -> T:
+            return fn(*args)
+
+        return self.run(step())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=timeout)
+
+
+class ActorProxy:
+    """A class hosted as a Ray actor and called like the in-process object: each method call
+    waits for its result. An expected failure (`RecoveryError`, `OSError`) is raised as
+    itself, so its one-line message reaches the user without Ray's trace."""
+
+    def __init__(self, cls: type, args: tuple, start: str | None = None, **options: Any) -> None:
+        self.actor = actor_class(cls, **options).remote(*args)
+        if start is not None:  # a start method may return the object: do not ship it back
+            ray.get(self.actor.__ray_call__.remote(lambda obj: getattr(obj, start)() and None))
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.actor, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return ray.get(method.remote(*args, **kwargs))
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, RecoveryError | OSError):
+                    raise err.cause from None
+                raise
+
+        return call
+
+    def close(self) -> None:
+        try:
+            ray.get(self.actor.close.remote())
+        finally:
+            ray.kill(self.actor)

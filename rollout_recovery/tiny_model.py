@@ -238,14 +238,3 @@ def ensure_tiny_model(
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def resolve_model_path(model_path: str) -> str:
-    """Turn a validated `policy.model_path` into something vLLM's `--model` accepts."""
-    from rollout_recovery.config import HUB_MODEL_SCHEME, TINY_MODEL_SCHEME
-
-    if model_path.startswith(TINY_MODEL_SCHEME):
-        return str(ensure_tiny_model())
-    if model_path.startswith(HUB_MODEL_SCHEME):
-        return model_path.removeprefix(HUB_MODEL_SCHEME)
-    return model_path

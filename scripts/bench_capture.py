@@ -121,15 +121,15 @@ def main() -> int:
     import ray
 
     from rollout_recovery.config import load_config
-    from rollout_recovery.generation import start_workers, stop_workers
+    from rollout_recovery.generation import WorkerPool
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    workers = start_workers(load_config(REPO / "configs" / "grpo_tiny_cpu.yaml"), 1)
+    workers = WorkerPool.start(load_config(REPO / "configs" / "grpo_tiny_cpu.yaml"), 1)
     try:
         with tempfile.TemporaryDirectory() as d:
             turns = bench_turns(workers[0].info.url, args.conversations, args.turns, Path(d))
     finally:
-        stop_workers(workers)
+        workers.stop()
         ray.shutdown()
     resolver = bench_resolver(args.rollouts, calls=4, tokens=512)
 

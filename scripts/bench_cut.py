@@ -12,7 +12,7 @@
     prefix (staged state reset before each cut).
 (c) Reading 16k sampled-token logprobs with CapturedCall.sampled_logprobs from a FlatLogprobs
     container vs a per-position list[dict[int, Logprob]] container.
-(d) Lock hold per cut inside one live GenerationWorker (start_workers, token capture on, a real
+(d) Lock hold per cut inside one live GenerationWorker (WorkerPool.start, token capture on, a real
     StagingStore) while 64 identified chat completions decode over HTTP and a cut of all 64
     (the worker's Ray method `cut`) starts every 100 ms: p50 / p99 / max in us, read from the
     worker's own per-cut samples (`lock_hold_samples`), beside the synthetic (b) figure for
@@ -52,14 +52,21 @@ from types import SimpleNamespace  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rollout_recovery.data_plane.digest import CHAIN_ROOT  # noqa: E402
+from rollout_recovery.generation import vllm_compat  # noqa: E402
 from rollout_recovery.generation.capture import (  # noqa: E402
     CapturedCall,
     TokenCapture,
 )
-from rollout_recovery.generation.cut import CallRef, CutInventory, CutService  # noqa: E402
-from rollout_recovery.protocol import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT, CallIdentity  # noqa: E402
+from rollout_recovery.generation.cut import CutService  # noqa: E402
+from rollout_recovery.protocol import (  # noqa: E402  # noqa: E402
+    XARG_ATTEMPT,
+    XARG_CALL,
+    XARG_ROLLOUT,
+    CallIdentity,
+    CallRef,
+    CutInventory,
+)
 
-HOOKS = ("add_request", "process_outputs", "abort_requests")
 TARGETS = {
     "decode_overhead_max": 0.03,  # on/off >= 0.97
     "lock_us_64x1k": 1000.0,
@@ -141,7 +148,7 @@ def make_call(name: str, n_tokens: int, rng: np.random.Generator, flat: bool = T
     return CapturedCall(
         identity=CallIdentity(name, "c0", 0),
         request_id=f"{name}-req",
-        state=state,
+        reader=vllm_compat.RequestProgress(state),
         prompt_token_ids=rng.integers(0, 150_000, 64).astype(np.int32),
         max_tokens=2 * n_tokens,
         uncuttable=None,
@@ -215,9 +222,7 @@ def bench_logprob_read(n_tokens: int, repeats: int, seed: int) -> dict:
 
 
 def uninstall(capture: TokenCapture, engine) -> None:
-    op = engine.output_processor
-    for name in HOOKS:
-        delattr(op, name)  # set on the instance: the class methods come back
+    vllm_compat.unhook_output_processor(engine)
     capture.calls.clear()
     capture.by_request.clear()
     capture.completed.clear()
@@ -255,7 +260,6 @@ async def bench_decode(args) -> dict:
     capture = TokenCapture(on_finished=lambda call: None)
     store = FakeStore()
     service = CutService(capture, store, "rollout_staging", "rollout_terminal", timeout_s=30.0)
-    op = engine.output_processor
 
     async def one(tag: str, i: int, identified: bool) -> tuple[int, int]:
         extra = None
@@ -296,10 +300,10 @@ async def bench_decode(args) -> dict:
 
     async def run_round(tag: str, on: bool) -> dict:
         if on:
-            capture.install(engine)
-            assert all(name in vars(op) for name in HOOKS)
+            vllm_compat.hook_output_processor(engine, capture)
+            assert vllm_compat.output_processor_hooked(engine)
         else:
-            assert not any(name in vars(op) for name in HOOKS)
+            assert not vllm_compat.output_processor_hooked(engine)
         log = {"lock_hold_us": [], "elapsed_ms": [], "staged_tokens": 0, "dispositions": {}}
         done = asyncio.Event()
         cut_task = None
@@ -397,10 +401,10 @@ async def _drive_live(worker, args) -> dict:
     does, at two more actor round trips per cut."""
     import httpx
 
-    url, actor = worker.info.url, worker.actor
+    url = worker.info.url
     rollouts = [f"live-{i}" for i in range(args.live_calls)]
     calls = [{"rollout_id": r, "model_call_id": "c0", "attempt": 0} for r in rollouts]
-    epoch = (await actor.fence_state.remote())["highest_epoch"] + 1
+    epoch = worker.fence_state()["highest_epoch"] + 1
     log: dict = {"receipt_lock_hold_us": [], "elapsed_ms": [], "round_trip_ms": [],
                  "staged_tokens": [], "dispositions": {}, "late_starts": 0}  # fmt: skip
     limits = httpx.Limits(max_connections=args.live_calls + 8)
@@ -425,12 +429,12 @@ async def _drive_live(worker, args) -> dict:
             inventory = {"checkpoint_id": f"live-{epoch}", "calls": calls}
             t = time.monotonic()
             if args.live_fence:
-                await actor.begin_fence.remote(epoch, 60.0)
+                await worker.abegin_fence(epoch, 60.0)
             try:
-                receipt = await actor.cut.remote(inventory)
+                receipt = await worker.acut(inventory)
             finally:
                 if args.live_fence:
-                    await actor.end_fence.remote(epoch)
+                    await worker.aend_fence(epoch)
             log["round_trip_ms"].append((time.monotonic() - t) * 1e3)
             epoch += 1
             log["receipt_lock_hold_us"].append(receipt["lock_hold_us"])
@@ -453,7 +457,7 @@ def bench_live(args) -> dict:
 
     from rollout_recovery.config import load_config
     from rollout_recovery.data_plane import StagingStore
-    from rollout_recovery.generation import start_workers, stop_workers
+    from rollout_recovery.generation import WorkerPool
     from rollout_recovery.runtime import init_ray
     from rollout_recovery.tiny_model import ensure_tiny_model
 
@@ -468,13 +472,13 @@ def bench_live(args) -> dict:
     store = StagingStore.create(num_shards=1)
     try:
         t = time.perf_counter()
-        [worker] = start_workers(cfg, num_workers=1, store=store)
+        pool = WorkerPool.start(cfg, num_workers=1, store=store)
         startup_s = time.perf_counter() - t
         try:
-            log = asyncio.run(_drive_live(worker, args))
-            holds = ray.get(worker.actor.lock_hold_samples.remote())
+            log = asyncio.run(_drive_live(pool[0], args))
+            holds = pool[0].lock_hold_samples()
         finally:
-            stop_workers([worker])
+            pool.stop()
     finally:
         store.shutdown()
         ray.shutdown()

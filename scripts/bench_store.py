@@ -75,6 +75,7 @@ from rollout_recovery.data_plane import (  # noqa: E402
     chain_digest,
     chunk_rows_to_table,
 )
+from rollout_recovery.protocol import CallIdentity  # noqa: E402
 
 PARTITION = "rollout_staging"
 TARGETS = [  # see "Targets" in the module docstring for how these were chosen
@@ -97,14 +98,14 @@ def make_payload(n_rows: int, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def keys_for(tag: str, n_rows: int) -> list[str]:
-    return [f"{tag}-{i:05d}/call-0/a0/c0" for i in range(n_rows)]
+    return [CallIdentity(f"{tag}-{i:05d}", "call-0", 0).chunk_key(0) for i in range(n_rows)]
 
 
 def to_table(tag: str, ids: np.ndarray, lps: np.ndarray) -> pa.Table:
     """Payload -> Arrow chunk rows, digests included: the conversion a cut does before a put."""
     rows = [
         ChunkRow(
-            key=f"{tag}-{i:05d}/call-0/a0/c0",
+            key=CallIdentity(f"{tag}-{i:05d}", "call-0", 0).chunk_key(0),
             rollout_id=f"{tag}-{i:05d}",
             model_call_id="call-0",
             attempt=0,

@@ -38,8 +38,8 @@ def ray_session():
 @pytest.fixture(scope="session")
 def two_workers(ray_session, tiny_cfg):
     """Two GenerationWorkers started at once; shared by every engine test."""
-    from rollout_recovery.generation import start_workers, stop_workers
+    from rollout_recovery.generation import WorkerPool
 
-    workers = start_workers(tiny_cfg, num_workers=2)
-    yield workers
-    stop_workers(workers)
+    pool = WorkerPool.start(tiny_cfg, num_workers=2)
+    yield pool
+    pool.stop()

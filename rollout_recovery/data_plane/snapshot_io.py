@@ -50,6 +50,7 @@ from rollout_recovery.data_plane.errors import (
     SnapshotError,
     SnapshotNotFoundError,
 )
+from rollout_recovery.protocol import ID_RE
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "rollout_recovery.snapshot/v1"
@@ -263,11 +264,8 @@ def read_verified(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> p
     return table
 
 
-_SIDECAR_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
 def write_sidecar(fs: pafs.FileSystem, snapshot_dir: str, name: str, data: bytes) -> SidecarEntry:
-    if not _SIDECAR_RE.fullmatch(name):
+    if not ID_RE.fullmatch(name):
         raise ValueError(f"invalid sidecar name {name!r}")
     path = join(snapshot_dir, "sidecars", name)
     fs.create_dir(join(snapshot_dir, "sidecars"), recursive=True)

@@ -43,8 +43,10 @@ from rollout_recovery.data_plane.snapshot_io import (
     verify_snapshot,
     write_sidecar,
 )
+from rollout_recovery.protocol import KEY_PATTERN
+from rollout_recovery.runtime import actor_class
 
-KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]*$")
+KEY_RE = re.compile(KEY_PATTERN)
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._/-]*$")
 DEFAULT_PARTITIONS = {
     "rollout_staging": "chunk_row",
@@ -76,7 +78,7 @@ class SnapshotResult:
 def validate_key(key: str, limits: StoreLimits = StoreLimits()) -> None:
     if not isinstance(key, str) or not KEY_RE.fullmatch(key) or len(key) > limits.max_key_len:
         raise InvalidKeyError(
-            f"invalid key {key!r}: keys match ^[A-Za-z0-9][A-Za-z0-9._/-]*$ "
+            f"invalid key {key!r}: keys match {KEY_PATTERN} "
             f"and are at most {limits.max_key_len} characters"
         )
 
@@ -129,12 +131,9 @@ class StagingStore:
             if kind not in SCHEMAS:
                 raise ValueError(f"partition {pname!r}: unknown row kind {kind!r}")
             validate_key(pname)
-        actor = ray.remote(StoreShard)
-        shards = []
-        for i in range(num_shards):
-            opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 64}
-            opts |= actor_options or {}
-            shards.append(actor.options(**opts).remote(i, num_shards, partitions))
+        opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 64}
+        actor = actor_class(StoreShard, **opts | (actor_options or {}))
+        shards = [actor.remote(i, num_shards, partitions) for i in range(num_shards)]
         ray.get([s.stats.remote() for s in shards])
         return cls(shards, partitions, limits)
 

@@ -21,9 +21,13 @@ import numpy as np
 
 from rollout_recovery.data_plane import ReplayRow
 from rollout_recovery.environment.token_entry import TokenEntry
-from rollout_recovery.protocol import replay_key
-
-RECORD_FORMAT = 1
+from rollout_recovery.protocol import (
+    EPISODE_RECORD_FORMAT,
+    Continuation,
+    EpisodeRecord,
+    TurnRef,
+    replay_key,
+)
 
 
 class ToolEffectRepeated(RuntimeError):
@@ -91,76 +95,67 @@ class Episode:
     state: dict[str, Any]
     attempt: int = 0
     turns: list[TurnRecord] = field(default_factory=list)
-    continuation: dict | None = None  # the cut of the call in flight at the checkpoint
+    continuation: Continuation | None = None  # the call in flight at the checkpoint
 
     @property
     def next_call_id(self) -> str:
         return f"c{len(self.turns)}"
 
     @classmethod
-    def restart(cls, rec: dict, initial_state: dict[str, Any]) -> Episode:
+    def restart(cls, rec: EpisodeRecord, initial_state: dict[str, Any]) -> Episode:
         """The record's episode from its first prompt, with nothing kept (attempt preserved):
         what a record that cannot be restored exactly falls back to."""
-        first = rec["turns"][0]["request_messages"] if rec["turns"] else len(rec["messages"])
-        return cls(
-            rollout_id=rec["rollout_id"],
-            group_id=rec["group_id"],
-            generation_index=rec["generation_index"],
-            seed=rec["seed"],
-            messages=rec["messages"][:first],
-            state=initial_state,
-            attempt=rec["attempt"],
-        )
+        first = rec.turns[0].request_messages if rec.turns else len(rec.messages)
+        return cls(**_identity(rec), messages=rec.messages[:first], state=initial_state)
 
     def replies(self) -> list[str]:
         return [self.messages[t.request_messages].get("content") or "" for t in self.turns]
 
-    def to_record(self) -> dict:
-        return {
-            "format": RECORD_FORMAT,
-            "rollout_id": self.rollout_id,
-            "group_id": self.group_id,
-            "generation_index": self.generation_index,
-            "seed": self.seed,
-            "attempt": self.attempt,
-            "messages": self.messages,
-            "state": self.state,
-            "turns": [
-                {
-                    "entry_id": t.entry.entry_id,
-                    "payload_sha256": t.entry.payload_sha256(),
-                    "request_messages": t.request_messages,
-                }
-                for t in self.turns
-            ],
-            "continuation": self.continuation,
-        }
+    def to_record(self) -> EpisodeRecord:
+        turns = [
+            TurnRef(
+                entry_id=t.entry.entry_id,
+                payload_sha256=t.entry.payload_sha256(),
+                request_messages=t.request_messages,
+            )
+            for t in self.turns
+        ]
+        return EpisodeRecord(
+            rollout_id=self.rollout_id,
+            group_id=self.group_id,
+            generation_index=self.generation_index,
+            seed=self.seed,
+            attempt=self.attempt,
+            messages=self.messages,
+            state=self.state,
+            turns=turns,
+            continuation=self.continuation,
+        )
 
     @classmethod
-    def from_record(cls, rec: dict, entries: Callable[[str], TokenEntry | None]) -> Episode:
+    def from_record(
+        cls, rec: EpisodeRecord, entries: Callable[[str], TokenEntry | None]
+    ) -> Episode:
         """Rebuild an episode; `entries` looks a TokenEntry up by id. A missing entry or one
         whose payload differs from the committed one raises RecordError."""
-        if rec.get("format") != RECORD_FORMAT:
-            raise RecordError("record_format", f"{rec.get('format')!r} is not {RECORD_FORMAT}")
+        if rec.format != EPISODE_RECORD_FORMAT:
+            raise RecordError("record_format", f"{rec.format!r} is not {EPISODE_RECORD_FORMAT}")
         turns = []
-        for t in rec["turns"]:
-            entry = entries(t["entry_id"])
+        for t in rec.turns:
+            entry = entries(t.entry_id)
             if entry is None:
-                raise RecordError("missing_entry", f"{t['entry_id']} is not in the snapshot")
-            if entry.payload_sha256() != t["payload_sha256"]:
-                raise RecordError("entry_digest_mismatch", f"{t['entry_id']} was changed")
-            turns.append(TurnRecord(entry, t["request_messages"]))
-        return cls(
-            rollout_id=rec["rollout_id"],
-            group_id=rec["group_id"],
-            generation_index=rec["generation_index"],
-            seed=rec["seed"],
-            messages=rec["messages"],
-            state=rec["state"],
-            attempt=rec["attempt"],
-            turns=turns,
-            continuation=rec.get("continuation"),
-        )
+                raise RecordError("missing_entry", f"{t.entry_id} is not in the snapshot")
+            if entry.payload_sha256() != t.payload_sha256:
+                raise RecordError("entry_digest_mismatch", f"{t.entry_id} was changed")
+            turns.append(TurnRecord(entry, t.request_messages))
+        return cls(**_identity(rec), messages=rec.messages, state=rec.state, turns=turns,
+                   continuation=rec.continuation)  # fmt: skip
+
+
+def _identity(rec: EpisodeRecord) -> dict[str, Any]:
+    """The fields that name a recorded episode and its attempt."""
+    return rec.model_dump(include={"rollout_id", "group_id", "generation_index", "seed",
+                                   "attempt"})  # fmt: skip
 
 
 def replay_row(ep: Episode, reward: float, weight_version: int) -> ReplayRow:

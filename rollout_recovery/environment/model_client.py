@@ -12,6 +12,7 @@ a parent whose tokens are saved.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import threading
 from collections import Counter
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-from prometheus_client import Counter as Counter_
 
 from rollout_recovery.environment.lineage import LineageStore, Resolution
 from rollout_recovery.environment.token_entry import ParentResolution, TokenEntry
@@ -42,16 +42,9 @@ class CallResult:
     resolution: Resolution
 
 
-_EVENTS = Counter_(
-    "rollout_recovery_env_capture_events",
-    "Environment token capture: calls, resolutions by outcome, supply, capture failures",
-    ["event"],
-)
-
-
 class CaptureDiagnostics:
-    """Counters safe under concurrent calls; also Prometheus series in this process's default
-    registry (the same one the workers' /metrics serves)."""
+    """Counters safe under concurrent calls. They reach the run's counts as `capture.<event>`
+    (controller/metrics.py), served by the controller's /metrics."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -61,7 +54,6 @@ class CaptureDiagnostics:
         with self._lock:
             for n in names:
                 self.counts[n] += 1
-                _EVENTS.labels(n).inc()
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -159,7 +151,8 @@ class ModelCallClient:
             prefix_requested=prefix is not None,
             prefix_supplied=supplied,
         )
-        self.sink.put(entry)  # durable before any child can resolve to it
+        # Durable before any child can resolve to it; off the loop (a store put blocks).
+        await asyncio.to_thread(self.sink.put, entry)
         assistant = {
             "role": "assistant",
             "content": choice["message"].get("content"),

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from rollout_recovery.data_plane.schemas import TOKEN_ENTRY_ROW_SCHEMA, list_array, list_rows
 from rollout_recovery.environment.token_entry import TokenEntry, read_token_entry
+from rollout_recovery.protocol import incomplete_key, is_incomplete_key
 
 
 class ConflictingEntryError(ValueError):
@@ -182,12 +183,12 @@ class StoreTokenSink:
         }
 
     def mark_incomplete(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        key = f"{rollout_id}/{model_call_id}/incomplete"
+        key = incomplete_key(rollout_id, model_call_id)
         meta = {"reason": reason}
         self.store.put(self.partition, self._row(None, key, rollout_id, model_call_id, meta))
 
     def incomplete(self) -> list[tuple[str, str, str]]:
-        keys = [k for k in self.store.list(self.partition) if k.endswith("/incomplete")]
+        keys = [k for k in self.store.list(self.partition) if is_incomplete_key(k)]
         if not keys:
             return []
         table, _ = self.store.get(self.partition, keys)

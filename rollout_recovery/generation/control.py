@@ -19,11 +19,14 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from rollout_recovery.generation import prefix_supply
 from rollout_recovery.generation.attempts import AttemptPage
-from rollout_recovery.generation.cut import CutInventory, CutReceipt, CutService, InventoryTooLarge
+from rollout_recovery.generation.cut import CutService, InventoryTooLarge
 from rollout_recovery.generation.fence import MAX_EPOCH
 from rollout_recovery.protocol import (
     XARG_REQUIRED_PREFIX,
+    CutInventory,
+    CutReceipt,
     check_continuation_fields,
     identity_from_extra_args,
 )
@@ -250,8 +253,6 @@ class RequestGate:
 
     @staticmethod
     def _take_prefix(path: str, data: dict) -> list[int] | None:
-        from rollout_recovery.generation import prefix_supply
-
         if prefix_supply.FIELD not in data:
             return None
         if path not in ("/v1/chat/completions", "/tokenize"):
@@ -266,8 +267,6 @@ class RequestGate:
         return prefix
 
     async def _tokenize_with_prefix(self, scope, receive, send, prefix: list[int]) -> None:
-        from rollout_recovery.generation.prefix_supply import splice_prefix
-
         start: dict = {}
         parts: list[bytes] = []
 
@@ -282,8 +281,8 @@ class RequestGate:
         if start.get("status") == 200:
             try:
                 out = json.loads(body)
-                out["tokens"] = splice_prefix(out["tokens"], prefix, self.turn_end_ids)
-                out["count"] = len(out["tokens"])
+                tokens = prefix_supply.splice_prefix(out["tokens"], prefix, self.turn_end_ids)
+                out["tokens"], out["count"] = tokens, len(tokens)
             except ValueError as err:
                 return await _reject(send, str(err))
             body = json.dumps(out).encode()

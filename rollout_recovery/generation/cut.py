@@ -17,14 +17,11 @@ record are all read in the same locked moment.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from rollout_recovery.data_plane.digest import chain_digest, finish_digest, token_digest
 from rollout_recovery.data_plane.schemas import (
@@ -36,63 +33,7 @@ from rollout_recovery.data_plane.schemas import (
 from rollout_recovery.generation.capture import CapturedCall, TokenCapture
 from rollout_recovery.generation.fence import Fence
 from rollout_recovery.generation.metrics import WorkerMetrics
-from rollout_recovery.protocol import CallIdentity, check_id
-
-
-class CallRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    rollout_id: str
-    model_call_id: str
-    attempt: StrictInt = Field(0, ge=0)
-
-    @field_validator("rollout_id", "model_call_id")
-    @classmethod
-    def _ids(cls, v: str, info) -> str:
-        return check_id(info.field_name, v)
-
-    def identity(self) -> CallIdentity:
-        return CallIdentity(self.rollout_id, self.model_call_id, self.attempt)
-
-
-class CutInventory(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    checkpoint_id: str
-    calls: list[CallRef]
-
-    @field_validator("checkpoint_id")
-    @classmethod
-    def _ckpt(cls, v: str) -> str:
-        return check_id("checkpoint_id", v)
-
-    def digest(self) -> str:
-        body = json.dumps([c.model_dump() for c in self.calls], sort_keys=True)
-        return hashlib.sha256(body.encode()).hexdigest()
-
-
-class CallReceipt(BaseModel):
-    rollout_id: str
-    model_call_id: str
-    attempt: int
-    disposition: Literal["durable_prefix", "durable_failure"]
-    cut_kind: Literal["active_prefix", "terminal_completion"] | None = None
-    staging_keys: list[str] = []
-    prefix_token_count: int = 0
-    prefix_digest: str | None = None
-    effective_output_limit: int | None = None
-    finish_reason: str | None = None  # terminal_completion: how the call finished
-    reason: str | None = None
-
-
-class CutReceipt(BaseModel):
-    checkpoint_id: str
-    inventory_digest: str
-    calls: list[CallReceipt]
-    staged_rows: int
-    staged_tokens: int
-    lock_hold_us: float
-    elapsed_s: float
+from rollout_recovery.protocol import CallReceipt, CallRef, CutInventory, CutReceipt
 
 
 class InventoryTooLarge(ValueError):
@@ -126,16 +67,14 @@ class _Plan:
     ref: CallRef
     call: CapturedCall
     count: int
-    ids: list[int]
+    ids: Sequence[int]
     finish: tuple[str, str | None] | None
 
 
 def _version_spans(call: CapturedCall, n: int) -> list[tuple[int, int, int]]:
     """(version, start, end) spans of a call's tokens, from vLLM's per-request tracking."""
     starts = [
-        (int(v), s)
-        for v, s in getattr(call.state, "weight_version_starts", [])
-        if s < n and str(v).isdigit()
+        (int(v), s) for v, s in call.reader.weight_version_starts() if s < n and str(v).isdigit()
     ]
     if not starts:
         return [(call.weight_version, 0, n)]

@@ -7,6 +7,7 @@ prompt (see ../shared/notes/vllm-0.32-internals.md §5).
 
 from __future__ import annotations
 
+from rollout_recovery.generation.vllm_compat import bad_words_token_ids
 from rollout_recovery.protocol import REQUEST_FIELDS, XARG_SEED
 
 KNOWN_EXTRA_ARGS = REQUEST_FIELDS
@@ -32,8 +33,7 @@ def uncuttable_reason(params, sampler_enabled: bool) -> str | None:
         # Emulated on resume as a logit bias, which is only exact when no multiplicative
         # repetition penalty is applied after it.
         return "frequency_penalty"
-    bad = getattr(params, "_bad_words_token_ids", None) or []
-    if any(len(ids) > 1 for ids in bad):
+    if any(len(ids) > 1 for ids in bad_words_token_ids(params)):
         return "multi_token_bad_words"
     if params.structured_outputs is not None:
         return "structured_output"

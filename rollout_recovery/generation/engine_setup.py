@@ -6,9 +6,7 @@ the engine computes (DESIGN.md §6).
 
 from __future__ import annotations
 
-from rollout_recovery.config import RolloutRecoveryConfig
-
-SUPPORTED_VLLM_SERIES = "0.32."
+from rollout_recovery.config import WorkerConfig
 
 # Set in the actor's process environment before torch or vLLM are imported there.
 CPU_ENGINE_ENV = {
@@ -29,11 +27,11 @@ GPU_ENGINE_ENV = {
 }
 
 
-def engine_env(cfg: RolloutRecoveryConfig) -> dict[str, str]:
+def engine_env(cfg: WorkerConfig) -> dict[str, str]:
     return dict(CPU_ENGINE_ENV if cfg.vllm_cfg.device == "cpu" else GPU_ENGINE_ENV)
 
 
-def serve_args(cfg: RolloutRecoveryConfig, model: str, host: str, port: int) -> list[str]:
+def serve_args(cfg: WorkerConfig, model: str, host: str, port: int) -> list[str]:
     """Command-line arguments for vLLM's own `serve` parser (so every vLLM check applies)."""
     v = cfg.vllm_cfg
     args = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from rollout_recovery.generation.vllm_compat import GenerateFn, GenerateLayer
 from rollout_recovery.protocol import XARG_REQUIRED_PREFIX
 
 FIELD = "required_prefix_token_ids"
@@ -57,24 +58,27 @@ def splice_prefix(rendered: list[int], prefix: list[int], turn_end_ids: Iterable
     )
 
 
-def install(engine, turn_end_ids: set[int]) -> None:
-    """Wrap `engine.generate`: a request whose `vllm_xargs` carries the required prefix gets
-    its token prompt spliced before anything else (resume, capture) sees it."""
-    orig_generate = engine.generate
+def layer(turn_end_ids: set[int]) -> GenerateLayer:
+    """The prefix-supply layer of `generate`: a request whose `vllm_xargs` carries the
+    required prefix gets its token prompt spliced before anything else (resume, capture)
+    sees it (vllm_compat.wrap_generate puts this layer outermost)."""
 
-    async def generate(prompt, sampling_params, request_id, **kwargs):
-        extra = getattr(sampling_params, "extra_args", None) or {}
-        if XARG_REQUIRED_PREFIX in extra:
-            prefix = validate_prefix(extra.pop(XARG_REQUIRED_PREFIX))
-            if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
-                raise PrefixSupplyError(f"{FIELD} needs a token prompt (chat completions)")
-            ids = splice_prefix(list(prompt["prompt_token_ids"]), prefix, turn_end_ids)
-            prompt = dict(prompt, prompt_token_ids=ids)
-            prompt.pop("prompt", None)
-        async for out in orig_generate(prompt, sampling_params, request_id, **kwargs):
-            yield out
+    def wrap(orig_generate: GenerateFn) -> GenerateFn:
+        async def generate(prompt, sampling_params, request_id, **kwargs):
+            extra = getattr(sampling_params, "extra_args", None) or {}
+            if XARG_REQUIRED_PREFIX in extra:
+                prefix = validate_prefix(extra.pop(XARG_REQUIRED_PREFIX))
+                if not isinstance(prompt, dict) or "prompt_token_ids" not in prompt:
+                    raise PrefixSupplyError(f"{FIELD} needs a token prompt (chat completions)")
+                ids = splice_prefix(list(prompt["prompt_token_ids"]), prefix, turn_end_ids)
+                prompt = dict(prompt, prompt_token_ids=ids)
+                prompt.pop("prompt", None)
+            async for out in orig_generate(prompt, sampling_params, request_id, **kwargs):
+                yield out
 
-    engine.generate = generate
+        return generate
+
+    return wrap
 
 
 def turn_end_ids(tokenizer) -> set[int]:

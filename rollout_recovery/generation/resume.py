@@ -26,7 +26,6 @@ import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -34,8 +33,15 @@ import numpy as np
 from rollout_recovery import faults
 from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest, finish_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
-from rollout_recovery.generation.capture import TokenCapture
+from rollout_recovery.generation.capture import CapturedCall, TokenCapture
 from rollout_recovery.generation.metrics import WorkerMetrics
+from rollout_recovery.generation.vllm_compat import (
+    AddedRequest,
+    GenerateFn,
+    PrimedState,
+    ProgressReader,
+    primed_state,
+)
 from rollout_recovery.protocol import (
     RESUME_DIGEST_ARG,
     RESUME_KEYS_ARG,
@@ -161,11 +167,13 @@ def _is_delta(params) -> bool:
 
 
 class Resumer:
-    """Hooks on one AsyncLLM: a `generate` wrapper and the capture's add-request callback.
+    """The resume layer of one AsyncLLM's `generate` (`wrap`), and the capture's add-request
+    callback that transplants a staged prefix into the request vLLM just created.
 
     `retire(keys)` is called with an earlier attempt's chunk keys when a resume answered the
     call without decoding (no captured call will delete them with its terminal row). Fetching
     a continuation's chunks that takes longer than `fetch_timeout_s` is `store_unavailable`.
+    `tokenizer` is the one the engine's detokenizers use (vllm_compat.output_tokenizer).
     """
 
     def __init__(
@@ -176,6 +184,7 @@ class Resumer:
         classify,
         retire: Callable[[list[str]], None] | None = None,
         fetch_timeout_s: float = 10.0,
+        tokenizer: Any = None,
     ) -> None:
         self.capture, self.store, self.partition = capture, store, partition
         self.fetch_timeout_s = fetch_timeout_s
@@ -183,13 +192,12 @@ class Resumer:
         self.retire = retire or (lambda keys: None)
         self.metrics = WorkerMetrics()
         self.pending: dict[str, tuple[Prefix, Any]] = {}  # external request id -> plan
-        self.states: dict[str, Any] = {}  # external request id -> its transplanted state
-        self.tokenizer = None
+        self.states: dict[str, ProgressReader] = {}  # external request id -> transplanted
+        self.tokenizer = tokenizer
+        capture.on_added = self._transplant
 
-    def install(self, engine) -> None:
-        self.tokenizer = engine.output_processor.tokenizer
-        orig_generate = engine.generate
-        self.capture.on_added = self._transplant
+    def wrap(self, orig_generate: GenerateFn) -> GenerateFn:
+        """`generate` with continuations honoured (a `vllm_compat.GenerateLayer`)."""
         disabled = faults.active("resume_disabled")
 
         async def generate(prompt, sampling_params, request_id, **kwargs):
@@ -229,7 +237,7 @@ class Resumer:
                 self.pending.pop(request_id, None)
                 self.states.pop(request_id, None)
 
-        engine.generate = generate
+        return generate
 
     async def _prepare(self, prompt, params, extra: dict) -> Prefix | None:
         """Fetch and validate a continuation and decide how the call goes on; every refusal
@@ -297,9 +305,10 @@ class Resumer:
             if stop_at(i) is not None:
                 raise ResumeRefused("prefix_past_stop", f"stop token at position {i} of {k}")
         if params.stop:
-            detok, _, stop = self._states_for("stop-check", prefix, params)
+            primed = self._primed("stop-check", prefix, params)
+            stop = primed.stop
             if stop is not None:
-                if detok.num_output_tokens() < k:
+                if primed.num_output_tokens() < k:
                     raise ResumeRefused("prefix_past_stop", f"stop string {stop!r} before the end")
                 return "stop", stop
         done = stop_at(k - 1)
@@ -309,31 +318,21 @@ class Resumer:
             return "length", None
         return None
 
-    def _states_for(self, request_id: str, prefix: Prefix, params, stop_terminated=False):
-        """A detokenizer primed on the original prompt with the prefix replayed, and a
-        logprobs container prefilled with the prefix (the same code vLLM uses per step).
-        `stop_terminated`: the last token is a stop token, left out of the text as vLLM does."""
-        from vllm.v1.engine.detokenizer import IncrementalDetokenizer
-        from vllm.v1.engine.logprobs import LogprobsProcessor
-        from vllm.v1.outputs import LogprobsLists
-
-        fake = SimpleNamespace(
-            request_id=request_id, prompt_token_ids=prefix.prompt_ids, sampling_params=params
+    def _primed(
+        self, request_id: str, prefix: Prefix, params, stop_terminated: bool = False
+    ) -> PrimedState:
+        """vLLM's detokenizer and logprobs container for this request with the prefix fed
+        through them (`stop_terminated`: the last token is a stop token, left out of the
+        text as vLLM does)."""
+        return primed_state(
+            self.tokenizer,
+            request_id,
+            prefix.prompt_ids,
+            params,
+            prefix.ids,
+            prefix.logprobs,
+            stop_terminated,
         )
-        tokenizer = self.tokenizer if params.detokenize else None
-        detok = IncrementalDetokenizer.from_new_request(tokenizer, fake)
-        stop = detok.update(prefix.ids.tolist(), stop_terminated)
-        lp = LogprobsProcessor.from_new_request(tokenizer, fake)
-        if lp.logprobs is not None and prefix.logprobs is not None:
-            k = len(prefix.ids)
-            lp._update_sample_logprobs(
-                LogprobsLists(
-                    prefix.ids.reshape(k, 1).astype(np.int64),
-                    prefix.logprobs.reshape(k, 1).astype(np.float32),
-                    np.ones(k, np.int64),
-                )
-            )
-        return detok, lp, stop
 
     def _complete_output(self, request_id: str, prefix: Prefix, params, reason, stop_reason):
         """The whole answer of a call whose prefix had already finished, as vLLM would have
@@ -341,16 +340,16 @@ class Resumer:
         from vllm.outputs import CompletionOutput, RequestOutput
 
         by_token = reason == "stop" and not isinstance(stop_reason, str)
-        detok, lp, stop = self._states_for(request_id, prefix, params, stop_terminated=by_token)
-        if stop:
-            reason, stop_reason = "stop", stop
+        primed = self._primed(request_id, prefix, params, stop_terminated=by_token)
+        if primed.stop:
+            reason, stop_reason = "stop", primed.stop
         self.metrics.restore("finished_without_decoding")
         completion = CompletionOutput(
             index=0,
-            text=detok.get_next_output_text(True, False),
+            text=primed.final_text(),
             token_ids=prefix.ids.tolist(),
-            cumulative_logprob=lp.cumulative_logprob,
-            logprobs=lp.logprobs,
+            cumulative_logprob=primed.cumulative_logprob,
+            logprobs=primed.logprobs,
             finish_reason=reason,
             stop_reason=stop_reason,
         )
@@ -370,28 +369,21 @@ class Resumer:
         comp = out.outputs[0]
         n_new = len(comp.token_ids)
         comp.token_ids = [*prefix.ids.tolist(), *comp.token_ids]
-        state = self.states.get(request_id)
-        if comp.logprobs is not None and state is not None:
-            comp.logprobs = state.logprobs_processor.logprobs[: len(prefix.ids) + n_new]
+        reader = self.states.get(request_id)
+        if comp.logprobs is not None and reader is not None:
+            comp.logprobs = reader.output_logprobs(len(prefix.ids) + n_new)
 
-    def _transplant(self, call, request) -> None:
+    def _transplant(self, call: CapturedCall, request: AddedRequest) -> None:
         """Runs under the capture lock right after vLLM created the request's state."""
-        plan = self.pending.get(request.external_req_id)
+        plan = self.pending.get(request.external_id)
         if plan is None:
             return
         prefix, original = plan
-        state = call.state
-        params = copy.copy(request.sampling_params)  # the processed clone (stop ids, EOS)
+        params = copy.copy(request.params)  # the processed clone (stop ids, EOS)
         params.max_tokens, params.min_tokens = original.max_tokens, original.min_tokens
-        detok, lp, _ = self._states_for(request.request_id, prefix, params)
-        if lp.logprobs is not None and state.logprobs_processor is not None:
-            state.logprobs_processor.logprobs = lp.logprobs
-            state.logprobs_processor.cumulative_logprob = lp.cumulative_logprob
-        state.detokenizer = detok
-        self.states[request.external_req_id] = state
-        state.prompt_token_ids = prefix.prompt_ids
-        state.prompt_len = len(prefix.prompt_ids)
-        state.max_tokens_param = original.max_tokens
+        primed = self._primed(request.request_id, prefix, params)
+        call.reader.transplant(primed, prefix.prompt_ids, original.max_tokens)
+        self.states[request.external_id] = call.reader
         call.prompt_token_ids = np.asarray(prefix.prompt_ids, dtype=np.int32)
         call.max_tokens = original.max_tokens
         call.superseded_keys = list(prefix.keys)  # deleted with this call's own chunks

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
+from rollout_recovery.generation.vllm_compat import update_request_rows
 from rollout_recovery.protocol import XARG_SEED, XARG_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ class PositionKeyedSampler(LogitsProcessor):
         return False
 
     def update_state(self, batch_update: BatchUpdate | None) -> None:
-        process_dict_updates(self._rows, batch_update, _new_row)
+        update_request_rows(self._rows, batch_update, _new_row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if not self._rows:

@@ -2,9 +2,9 @@
 
 The push pauses generation with in-flight requests kept but their KV cleared (they are
 recomputed under the new weights on resume; stale KV would silently mix two policies),
-reloads through vLLM's own `reload_weights`, resets the prefix cache, and resumes. A reload
-that fails half-way kills vLLM's engine, so the file is checked first: the same tensor names,
-shapes and dtypes as the served checkpoint, or nothing happens.
+reloads through vLLM's own `reload_weights` (vllm_compat), resets the prefix cache, and
+resumes. A reload that fails half-way kills vLLM's engine, so the file is checked first: the
+same tensor names, shapes and dtypes as the served checkpoint, or nothing happens.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+
+from rollout_recovery.generation.vllm_compat import reload_weights
 
 
 class WeightPushError(ValueError):
@@ -58,7 +60,7 @@ async def push_weights(engine, reference_dir: str, weights_dir: str, version: in
     check_compatible(reference_dir, weights_dir)
     await engine.pause_generation(mode="keep", clear_cache=True)
     try:
-        await engine.collective_rpc("reload_weights", kwargs={"weights_path": weights_dir})
+        await reload_weights(engine, weights_dir)
         await engine.reset_prefix_cache()
         # vLLM labels every output token with the engine's weight version (spans per request).
         await engine.update_weight_version(str(version))

@@ -36,6 +36,15 @@ from tqdm import tqdm
 
 from rollout_recovery.api import SingleController
 from rollout_recovery.config import RolloutRecoveryConfig
+from rollout_recovery.controller.selection import (
+    DATA_PLANE,
+    SnapshotChoice,
+    SnapshotUnusable,
+    check_model,
+    read_ledger,
+    run_has_state,
+    select_snapshot,
+)
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import SnapshotError
 from rollout_recovery.data_plane.schemas import list_rows
@@ -46,19 +55,9 @@ from rollout_recovery.errors import (
     RestoreError,
     RunExistsError,
 )
-from rollout_recovery.model_identity import base_model_identity
-from rollout_recovery.protocol import group_id
-from rollout_recovery.restore import (
-    DATA_PLANE,
-    SnapshotChoice,
-    SnapshotUnusable,
-    check_model,
-    read_ledger,
-    run_has_state,
-    select_snapshot,
-)
+from rollout_recovery.model_identity import base_model_identity, resolve_model_path
+from rollout_recovery.protocol import Ledger, group_id
 from rollout_recovery.storage import RunStorage, StorageError
-from rollout_recovery.tiny_model import resolve_model_path
 from rollout_recovery.training.checkpoint import (
     TrainerCheckpointError,
     load_trainer_checkpoint,
@@ -187,9 +186,9 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
     restored (the reasons listed, nothing deleted)."""
     identity = base_model_identity(cfg.policy.model_path, resolve_model_path(cfg.policy.model_path))
 
-    def accept(uri: str, ledger: dict) -> dict:
+    def accept(uri: str, ledger: Ledger) -> dict:
         check_model(uri, ledger, identity)  # another model: refused outright
-        step = ledger["step"]
+        step = ledger.step
         if step == 0:
             return {}
         try:
@@ -197,7 +196,7 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
             state = read_trainer_state(storage, step, meta)
         except TrainerCheckpointError as err:
             raise SnapshotUnusable(f"its trainer checkpoint: {err}") from None
-        want = ledger["model"]["weights_sha256"]
+        want = ledger.model.weights_sha256
         if meta["weights_sha256"] != want:
             raise SnapshotUnusable(
                 f"the trainer checkpoint of step {step} holds weights {meta['weights_sha256'][:12]}"
@@ -217,7 +216,7 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
                 "was deleted. Start a new run on purpose in another checkpointing.checkpoint_dir"
             )
         return None
-    step = choice.ledger["step"]
+    step = choice.ledger.step
     if step >= cfg.grpo.steps:
         raise RestoreError(
             f"the run in {storage.display()} already finished its {step} steps "
@@ -234,7 +233,7 @@ def _prune_trainer_checkpoints(storage: RunStorage, keep_latest_k: int) -> None:
     try:
         for uri in published_uris(storage.child_uri(DATA_PLANE)):
             try:
-                paired.append(read_ledger(uri)["step"])
+                paired.append(read_ledger(uri).step)
             except SnapshotUnusable:
                 continue
     except SnapshotError:
@@ -313,8 +312,8 @@ def train(
             rr.restore(plan.choice.snapshot)
             if plan.meta is not None:
                 rr.push_weights(str(_export(model, weights_dir)),
-                                plan.choice.ledger["weight_version"],
-                                plan.choice.ledger["model"]["weights_sha256"])  # fmt: skip
+                                plan.choice.ledger.weight_version,
+                                plan.choice.ledger.model.weights_sha256)  # fmt: skip
         bar = tqdm(range(start, g.steps), desc="grpo", unit="step", initial=start, total=g.steps)
         for step in bar:
             record = _train_step(cfg, rr, storage, model, opt, step, weights_dir)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from rollout_recovery.controller.selection import LEDGER, check_model, select_snapshot
 from rollout_recovery.errors import RestoreError
-from rollout_recovery.restore import LEDGER, LEDGER_FORMAT, check_model, select_snapshot
+from rollout_recovery.protocol import LEDGER_FORMAT, EpisodeRecord
 from tests.cluster.store_helpers import replay_table
 
 pytestmark = pytest.mark.cluster
@@ -32,20 +33,20 @@ def _snap(store, root, step, reason, continuations=None, level="prefix", episode
 def test_restore_mode_selection_fallback_and_level_refusal(make_store, tmp_path):
     root = str(tmp_path / "snaps")
     src = make_store(1)
-    cont = {"r-g0": {"attempt": 0, "keys": ["k"], "tokens": 3, "digest": "00"}}
+    cont = {"r-g0": {"call_id": "c0", "attempt": 0, "keys": ["k"], "tokens": 3, "digest": "00"}}
     first = _snap(src, root, 1, "trainer_checkpoint")
     second = _snap(src, root, 1, "cadence", cont)
     third = _snap(src, root, 2, "cadence", cont)
 
     choice = select_snapshot(root, "latest", "prefix")
-    assert choice.snapshot == third and choice.ledger["step"] == 2 and choice.skipped == []
+    assert choice.snapshot == third and choice.ledger.step == 2 and choice.skipped == []
     assert select_snapshot(root, "trainer_checkpoint", "prefix").snapshot == first
 
     # The newest has a torn data file: fall back to the previous one and say why.
     arrow = next(Path(third).rglob("*.arrow"))
     arrow.write_bytes(arrow.read_bytes()[:-5])
     choice = select_snapshot(root, "latest", "prefix")
-    assert choice.snapshot == second and choice.ledger["reason"] == "cadence"
+    assert choice.snapshot == second and choice.ledger.reason == "cadence"
     [(uri, reason)] = choice.skipped
     assert uri == third and "bytes" in reason
 
@@ -73,12 +74,16 @@ def test_when_no_snapshot_is_usable_the_restore_is_refused_with_every_reason(mak
 
 def test_turn_level_episodes_are_refused_by_level_none(make_store, tmp_path):
     root = str(tmp_path / "snaps")
-    episode = {"rollout_id": "r-g0", "turns": [{}], "continuation": None}
+    turn = {"entry_id": "r-g0/c0/a0", "payload_sha256": "ab" * 32, "request_messages": 1}
+    episode = {"format": 1, "rollout_id": "r-g0", "group_id": "r", "generation_index": 0,
+               "seed": 7, "attempt": 0, "messages": [{"role": "user", "content": "go"}],
+               "state": None, "turns": [turn], "continuation": None}  # fmt: skip
     _snap(make_store(1), root, 1, "cadence", level="turn", episodes=[episode])
     with pytest.raises(RestoreError, match=r"rollout_recovery\.target_level=turn"):
         select_snapshot(root, "latest", "none")
     choice = select_snapshot(root, "latest", "turn")
-    assert choice.ledger["episodes"] == [episode] and choice.ledger["level"] == "turn"
+    assert choice.ledger.episodes == [EpisodeRecord.model_validate(episode)]
+    assert choice.ledger.level == "turn"
 
 
 def test_another_model_is_refused(make_store, tmp_path):

@@ -13,7 +13,7 @@ if __name__ == "__main__":
 
     from rollout_recovery.config import load_config
     from rollout_recovery.data_plane import StagingStore
-    from rollout_recovery.generation import start_workers, stop_workers
+    from rollout_recovery.generation import WorkerPool
 
     model_dir, snap_root = sys.argv[1], sys.argv[2]
     cluster = Cluster(
@@ -28,7 +28,8 @@ if __name__ == "__main__":
     store = StagingStore.create(num_shards=2, actor_options={"resources": {"store_node": 0.1}})
     cfg = load_config(None, [f"policy.model_path={model_dir}", "token_capture.enabled=true",
                              "vllm_cfg.worker_resources={worker_node: 0.1}"])  # fmt: skip
-    [worker] = start_workers(cfg, 1, store=store)
+    pool = WorkerPool.start(cfg, 1, store=store)
+    worker = pool[0]
     url = worker.info.url
     body = {
         "model": "policy",
@@ -52,7 +53,7 @@ if __name__ == "__main__":
                 "checkpoint_id": "k",
                 "calls": [{"rollout_id": "two-node", "model_call_id": "c0"}],
             }
-            receipt = (await worker.actor.cut.remote(inv))["calls"][0]
+            receipt = (await worker.acut(inv))["calls"][0]
             task.cancel()
             snap = store.snapshot(snap_root)
             store.delete("rollout_staging", receipt["staging_keys"])  # the crash loses them
@@ -73,9 +74,9 @@ if __name__ == "__main__":
         "prefix": receipt["prefix_token_count"],
         "same_tokens": out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"],
         "same_logprobs": out["choices"][0]["logprobs"] == ref["choices"][0]["logprobs"],
-        "metrics": ray.get(worker.actor.capture_metrics.remote()),
+        "metrics": worker.capture_metrics(),
     }
-    stop_workers([worker])
+    pool.stop()
     store.shutdown()
     ray.shutdown()
     cluster.shutdown()

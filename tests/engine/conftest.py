@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from rollout_recovery.data_plane import StagingStore
-from rollout_recovery.generation import start_workers, stop_workers
+from rollout_recovery.generation import WorkerPool
 
 
 @pytest.fixture(scope="session")
@@ -13,7 +13,7 @@ def capture_worker(ray_session, tiny_cfg):
     cfg = tiny_cfg.model_copy(deep=True)
     cfg.token_capture.enabled = True
     cfg.token_capture.max_inventory_calls = 64
-    [worker] = start_workers(cfg, num_workers=1, store=store)
-    yield worker, store
-    stop_workers([worker])
+    pool = WorkerPool.start(cfg, num_workers=1, store=store)
+    yield pool[0], store
+    pool.stop()
     store.shutdown()

@@ -3,11 +3,9 @@ the only evidence that tells a resumed call from one silently decoded from scrat
 
 from __future__ import annotations
 
-import ray
-
 
 def attempt_record(worker, rollout: str, attempt: int, call: str = "c0") -> dict:
-    page = ray.get(worker.actor.call_attempts.remote(0))
+    page = worker.call_attempts(0)
     found = [
         r
         for r in page["attempts"]

@@ -8,7 +8,6 @@ import time
 import httpx
 import numpy as np
 import pytest
-import ray
 
 from rollout_recovery.data_plane.digest import chain_digests, finish_digest, token_digest
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows, table_to_terminal_rows
@@ -45,7 +44,7 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict) -> dict:
 
 def test_cuts_stage_exactly_the_generated_prefix(capture_worker):
     worker, store = capture_worker
-    url, actor = worker.info.url, worker.actor
+    url = worker.info.url
     rollouts = [f"cut-{i}" for i in range(8)]
 
     async def scenario():
@@ -59,15 +58,14 @@ def test_cuts_stage_exactly_the_generated_prefix(capture_worker):
             receipts = []
             for k in range(3):
                 await asyncio.sleep(0.15)
-                ref = actor.cut.remote(_inventory(f"ckpt-{k}", rollouts))
-                receipts.append(await ref)
-            again = await actor.cut.remote(_inventory("ckpt-2", rollouts))
+                receipts.append(await worker.acut(_inventory(f"ckpt-{k}", rollouts)))
+            again = await worker.acut(_inventory("ckpt-2", rollouts))
             outs = await asyncio.gather(*tasks)
             return receipts, again, outs
 
     receipts, again, outs = asyncio.run(scenario())
     assert again == receipts[-1]  # idempotent per (checkpoint_id, inventory)
-    ray.get(actor.drain.remote())
+    worker.drain()
     for i in range(len(rollouts)):
         final_ids = outs[i]["choices"][0]["token_ids"]
         final_lps = [c["logprob"] for c in outs[i]["choices"][0]["logprobs"]["content"]]
@@ -98,9 +96,9 @@ def test_cuts_stage_exactly_the_generated_prefix(capture_worker):
 def test_repeated_cuts_put_every_token_in_one_chunk(capture_worker):
     """While 32 calls decode, repeated cuts stage disjoint, chained chunks covering a prefix."""
     worker, store = capture_worker
-    url, actor = worker.info.url, worker.actor
+    url = worker.info.url
     rollouts = [f"many-{i}" for i in range(32)]
-    ray.get(actor.begin_fence.remote(1, 60))  # keep chunks (terminal writes wait)
+    worker.begin_fence(1, 60)  # keep chunks (terminal writes wait)
 
     async def scenario():
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=64)) as client:
@@ -111,9 +109,9 @@ def test_repeated_cuts_put_every_token_in_one_chunk(capture_worker):
             receipts = []
             for k in range(4):
                 await asyncio.sleep(0.1)
-                receipts.append(await actor.cut.remote(_inventory(f"many-{k}", rollouts)))
+                receipts.append(await worker.acut(_inventory(f"many-{k}", rollouts)))
             outs = await asyncio.gather(*tasks)
-            receipts.append(await actor.cut.remote(_inventory("many-final", rollouts)))
+            receipts.append(await worker.acut(_inventory("many-final", rollouts)))
             return receipts, outs
 
     try:
@@ -141,19 +139,19 @@ def test_repeated_cuts_put_every_token_in_one_chunk(capture_worker):
             assert chunks[0].prompt_token_ids.tolist() == outs[i]["prompt_token_ids"]
         assert store.list("rollout_terminal", "many-") == []  # held by the fence
     finally:
-        assert ray.get(actor.end_fence.remote(1))
-    assert not ray.get(actor.end_fence.remote(1))  # a late end is a no-op
-    ray.get(actor.drain.remote())
+        assert worker.end_fence(1)
+    assert not worker.end_fence(1)  # a late end is a no-op
+    worker.drain()
     assert len(store.list("rollout_terminal", "many-")) == 32
     assert store.list("rollout_staging", "many-") == []
-    metrics = ray.get(actor.capture_metrics.remote())
+    metrics = worker.capture_metrics()
     assert metrics["terminal_rows"] >= 32 and metrics["deferred_deletes"] >= 32
     assert metrics["fence_hold_s"] > 0
 
 
 def test_uncuttable_calls_have_named_reasons(capture_worker):
     worker, _ = capture_worker
-    url, actor = worker.info.url, worker.actor
+    url = worker.info.url
     cases = {
         "pp": {"presence_penalty": 0.5},
         "fp": {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
@@ -184,7 +182,7 @@ def test_uncuttable_calls_have_named_reasons(capture_worker):
             tasks = {k: asyncio.create_task(_post(client, url, b)) for k, b in bodies.items()}
             await asyncio.sleep(0.3)
             inv = _inventory("uncut", [f"u-{k}" for k in cases] + ["u-missing"])
-            receipt = await actor.cut.remote(inv)
+            receipt = await worker.acut(inv)
             await asyncio.gather(*tasks.values())
             return receipt
 
@@ -198,7 +196,7 @@ def test_uncuttable_calls_have_named_reasons(capture_worker):
     assert [c["rollout_id"] for c in receipt["calls"] if c["disposition"] == "durable_prefix"] == [
         "u-pk"
     ]
-    metrics = ray.get(actor.capture_metrics.remote())
+    metrics = worker.capture_metrics()
     assert metrics["cut_failure.presence_penalty"] >= 1
 
 
@@ -244,4 +242,4 @@ def test_control_routes_auth_and_bad_input(capture_worker):
     bad = _body("bad id with spaces")
     r = httpx.post(f"{url}/v1/chat/completions", json=bad, timeout=60)
     assert 400 <= r.status_code < 500, r.text
-    assert ray.get(worker.actor.health.remote()).healthy
+    assert worker.health().healthy

@@ -8,13 +8,17 @@ import asyncio
 import pytest
 import ray
 
-from rollout_recovery.api import RolloutRecovery
-from rollout_recovery.environment.rollout_env import RolloutEnvironmentActor
+from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
+from rollout_recovery.controller.metrics import RunMetrics
+from rollout_recovery.environment.client import EnvironmentClient
+from rollout_recovery.environment.rollout_env import RolloutEnvironment
+from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.storage import RunStorage
 
 pytestmark = pytest.mark.engine
 
 
-class EnvLostOnResume(RolloutEnvironmentActor):
+class EnvLostOnResume(RolloutEnvironment):
     """Fault injection: the environment's release step fails with an arbitrary error."""
 
     def resume(self, ckpt: str) -> None:
@@ -28,19 +32,20 @@ def test_fences_are_released_when_reopening_admission_fails(capture_worker, tiny
     cfg.rollout_recovery.target_level = "prefix"
     cfg.checkpointing.save_data_plane = True
     cfg.checkpointing.checkpoint_dir = str(tmp_path / "run")
-    rr = RolloutRecovery(cfg)
-    rr.workers, rr.store = [worker], store
-    rr.env = (
+    workers = WorkerPool([worker])
+    env = EnvironmentClient(
         ray.remote(EnvLostOnResume)
         .options(num_cpus=0, max_concurrency=4)
-        .remote(cfg, [worker], store)
+        .remote(cfg, workers, store)
     )
-    rr._epoch = iter(range(ray.get(worker.actor.fence_state.remote())["highest_epoch"] + 1, 10**6))
+    storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+    rr = CheckpointCoordinator(cfg, RunState(model={}), store, workers, env, storage, RunMetrics())
+    rr.epochs = iter(range(worker.fence_state()["highest_epoch"] + 1, 10**6))
     try:
-        metrics = asyncio.run(rr.checkpoint("cadence"))  # published; the release step failed
+        metrics = asyncio.run(rr.attempt("cadence"))  # published; the release step failed
         assert metrics["checkpoint"].startswith(str(tmp_path / "run"))
-        state = ray.get(worker.actor.fence_state.remote())
+        state = worker.fence_state()
         assert not state["held"] and state["epoch"] is None
-        assert rr.stats["release_errors"] == 1
+        assert rr.metrics.controller["release_errors"] == 1
     finally:
-        ray.kill(rr.env)
+        ray.kill(env.actor)

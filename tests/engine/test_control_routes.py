@@ -8,7 +8,6 @@ from collections.abc import Iterator
 import httpx
 import psutil
 import pytest
-import ray
 
 from rollout_recovery.generation.control import MAX_CONTROL_BODY_BYTES as LIMIT
 from rollout_recovery.generation.fence import MAX_EPOCH_ADVANCE
@@ -141,7 +140,7 @@ def test_deeply_nested_json_is_a_4xx_and_the_worker_stays_healthy(capture_worker
         r = httpx.post(f"{url}{path}", content=body, headers=headers, timeout=60)
         assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
         assert "nested" in r.text, (name, r.text[:300])
-    assert ray.get(worker.actor.health.remote()).healthy
+    assert worker.health().healthy
     ok = chat % ('"hi"', "")
     r = httpx.post(f"{url}/v1/chat/completions", content=ok, headers=headers, timeout=120)
     assert r.status_code == 200, r.text[:300]
@@ -175,5 +174,5 @@ def test_call_attempt_evidence_is_read_in_pages_with_the_token(capture_worker):
     assert len(mine) == 1 and len(keys) == len(records)  # each attempt once across pages
     rec = mine[0]
     assert (rec["resume"], rec["decoded_tokens"], rec["finish_reason"]) == ("none", 7, "length")
-    via_actor = ray.get(worker.actor.call_attempts.remote(0))["attempts"]
+    via_actor = worker.call_attempts(0)["attempts"]
     assert [r for r in via_actor if r["rollout_id"] == rollout] == mine

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import ray
 
 from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
-from rollout_recovery.generation import start_workers, stop_workers
+from rollout_recovery.generation import WorkerPool
 
 pytestmark = pytest.mark.engine
 
@@ -44,9 +43,9 @@ def slow_worker(ray_session, tiny_cfg, tmp_path_factory):
     cfg = tiny_cfg.model_copy(deep=True)
     cfg.token_capture.enabled = True
     cfg.token_capture.control_timeout_s = 0.5
-    [worker] = start_workers(cfg, 1, store=SlowStore(store, str(flag), delay_s=2.0))
-    yield worker, store, flag
-    stop_workers([worker])
+    pool = WorkerPool.start(cfg, 1, store=SlowStore(store, str(flag), delay_s=2.0))
+    yield pool[0], store, flag
+    pool.stop()
     store.shutdown()
 
 
@@ -84,12 +83,12 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
             await asyncio.sleep(0.3)
             flag.touch()
             t0 = time.monotonic()
-            cut = worker.actor.cut.remote(inv)
+            cut = asyncio.create_task(worker.acut(inv))  # runs while the fence calls are made
             await asyncio.sleep(0.1)
             # Fence calls never queue behind a running cut.
             f0 = time.monotonic()
-            await worker.actor.begin_fence.remote(3, 30)
-            assert await worker.actor.end_fence.remote(3)
+            await worker.abegin_fence(3, 30)
+            assert await worker.aend_fence(3)
             fence_s = time.monotonic() - f0
             slow = await cut
             took = time.monotonic() - t0
@@ -97,7 +96,7 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
             staged_after_deadline = store.list("rollout_staging", "dl-")
             flag.unlink()
             inv2 = inv | {"checkpoint_id": "deadline-2"}
-            fast = await worker.actor.cut.remote(inv2)
+            fast = await worker.acut(inv2)
             for t in tasks:
                 t.cancel()
             return slow, took, staged_after_deadline, fast, fence_s
@@ -111,7 +110,7 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
     # The next cut starts from scratch and succeeds.
     assert all(c["disposition"] == "durable_prefix" for c in fast["calls"])
     assert all(c["staging_keys"][0].endswith("/c000000") for c in fast["calls"])
-    metrics = ray.get(worker.actor.capture_metrics.remote())
+    metrics = worker.capture_metrics()
     assert metrics["cut_failure.control_deadline"] == 4
 
 
@@ -120,22 +119,21 @@ def test_a_late_cleanup_never_deletes_what_a_later_cut_made_durable(slow_worker)
     calls reuses the chunk keys. The late put and its cleanup must not overwrite or delete
     rows that a later receipt reported durable."""
     worker, store, flag = slow_worker
-    actor = worker.actor
     rollouts = [f"late-{i}" for i in range(3)]
     inv = {"calls": [{"rollout_id": r, "model_call_id": "c0"} for r in rollouts]}
-    epoch = ray.get(actor.fence_state.remote())["highest_epoch"] + 1
+    epoch = worker.fence_state()["highest_epoch"] + 1
 
     async def scenario():
         async with httpx.AsyncClient() as client:
             tasks = _requests(client, worker.info.url, rollouts)
             await asyncio.sleep(0.3)
-            await actor.begin_fence.remote(epoch, 60)  # finished calls keep their chunks
+            await worker.abegin_fence(epoch, 60)  # finished calls keep their chunks
             flag.touch()
-            late = await actor.cut.remote(inv | {"checkpoint_id": "late-1"})
+            late = await worker.acut(inv | {"checkpoint_id": "late-1"})
             flag.unlink()  # the next puts are fast; the first one is still sleeping
-            receipts = [await actor.cut.remote(inv | {"checkpoint_id": "late-2"})]
+            receipts = [await worker.acut(inv | {"checkpoint_id": "late-2"})]
             await asyncio.sleep(2.5)  # the late put lands, then its cleanup runs
-            receipts.append(await actor.cut.remote(inv | {"checkpoint_id": "late-3"}))
+            receipts.append(await worker.acut(inv | {"checkpoint_id": "late-3"}))
             await asyncio.sleep(0.5)
             for t in tasks:
                 t.cancel()
@@ -157,4 +155,4 @@ def test_a_late_cleanup_never_deletes_what_a_later_cut_made_durable(slow_worker)
             "cleanup_pending"
         }
     finally:
-        ray.get(actor.end_fence.remote(epoch))
+        worker.end_fence(epoch)

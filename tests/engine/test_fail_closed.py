@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane import StagingStore
@@ -55,7 +54,7 @@ K, SPLIT, MAX = 10, 4, 48  # staged prefix, its first chunk, the call's max_toke
 
 
 def _metrics(worker) -> dict:
-    return ray.get(worker.actor.capture_metrics.remote())
+    return worker.capture_metrics()
 
 
 def _bumped(before: dict, after: dict, name: str, n: int = 1) -> bool:
@@ -248,7 +247,7 @@ def test_a_continuation_without_a_call_identity_is_malformed(capture_worker, ref
     assert _bumped(before, after, "resume.malformed_continuation")
     assert _bumped(before, after, "resume.resumed", 0)
     assert _bumped(before, after, "resume.decoded_tokens", 0)
-    page = ray.get(worker.actor.call_attempts.remote(0))
+    page = worker.call_attempts(0)
     assert not [r for r in page["attempts"] if r["rollout_id"] == rollout]
     _same(resp.json(), refs())
 
@@ -260,10 +259,10 @@ def _in_worker(worker, fn, *args, timeout_s: float = 120):
     """Run coroutine function `fn(worker_instance, *args)` on the worker's event loop."""
 
     def run(self, *a):
-        loop = self._tasks[0].get_loop()  # the HTTP server task: the actor's event loop
+        loop = self._host.loop  # the actor's event loop, where engine and server run
         return asyncio.run_coroutine_threadsafe(fn(self, *a), loop).result(timeout_s)
 
-    return ray.get(worker.actor.__ray_call__.remote(run, *args))
+    return worker.run_inside(run, *args)
 
 
 async def _engine_generate(self, prompt, xargs: dict, request_id: str) -> dict:
@@ -405,11 +404,11 @@ def _uninstall(self) -> None:
 def _store_fault(
     worker, fault: _StoreFault, cut_timeout_s: float | None = None, fetch_timeout_s=None
 ):
-    ray.get(worker.actor.__ray_call__.remote(_install, fault, cut_timeout_s, fetch_timeout_s))
+    worker.run_inside(_install, fault, cut_timeout_s, fetch_timeout_s)
     try:
         yield
     finally:
-        ray.get(worker.actor.__ray_call__.remote(_uninstall))
+        worker.run_inside(_uninstall)
 
 
 @pytest.fixture(scope="module")
@@ -464,7 +463,7 @@ async def _decoding(worker, rollout: str, tokens: int = 1) -> dict:
     it must still be running."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        page = await worker.actor.call_attempts.remote(0)
+        page = await worker.acall_attempts(0)
         found = [r for r in page["attempts"] if (r["rollout_id"], r["attempt"]) == (rollout, 0)]
         if found and found[0]["requests"] and found[0]["decoded_tokens"] >= tokens:
             assert not found[0]["finished"], found[0]
@@ -528,7 +527,7 @@ def test_an_uncuttable_call_is_refused_and_completes(capture_worker, refs, reaso
         async with httpx.AsyncClient() as client:
             task = _post(client, worker, body)
             await _decoding(worker, rollout)
-            receipt = await worker.actor.cut.remote(_inventory((rollout, "c0", 0)))
+            receipt = await worker.acut(_inventory((rollout, "c0", 0)))
             staged = store.list(STAGING, f"{rollout}/")
             return receipt, staged, await _answer(task)
 
@@ -550,7 +549,7 @@ def test_a_cut_naming_another_attempt_or_call_is_unknown_call(capture_worker, re
             await _decoding(worker, rollout)
             # The running call is (rollout, c0, attempt 0); these name its neighbours.
             inv = _inventory((rollout, "c0", 1), (rollout, "c1", 0))
-            receipt = await worker.actor.cut.remote(inv)
+            receipt = await worker.acut(inv)
             staged = store.list(STAGING, f"{rollout}/")
             return receipt, staged, await _answer(task)
 
@@ -565,10 +564,10 @@ def test_a_finished_call_is_already_terminal(capture_worker, refs):
     worker, store = capture_worker
     rollout = f"fc-done-{next(_ids)}"
     out = _chat(worker.info.url, rollout, ignore_eos=True)
-    ray.get(worker.actor.drain.remote())  # its terminal row is staged, its capture forgotten
+    worker.drain()  # its terminal row is staged, its capture forgotten
     key = [f"{rollout}/c0/a0/terminal"]
     before = _metrics(worker)
-    receipt = ray.get(worker.actor.cut.remote(_inventory((rollout, "c0", 0))))
+    receipt = worker.cut(_inventory((rollout, "c0", 0)))
     _refused(receipt, "already_terminal")
     assert _bumped(before, _metrics(worker), "cut_failure.already_terminal")
     assert store.list(STAGING, f"{rollout}/") == []
@@ -600,7 +599,7 @@ def test_a_call_without_a_sampled_token_is_zero_generated_tokens(capture_worker,
             try:
                 task = _post(client, worker, _body(rollout, 0, ignore_eos=True))
                 rec = await _decoding(worker, rollout, tokens=0)
-                receipt = await worker.actor.cut.remote(_inventory((rollout, "c0", 0)))
+                receipt = await worker.acut(_inventory((rollout, "c0", 0)))
                 staged = store.list(STAGING, f"{rollout}/")
             finally:
                 _in_worker(worker, _unpause)
@@ -627,9 +626,9 @@ def test_a_failed_staging_put_is_a_staging_error(capture_worker, refs, dead_stor
             task = _post(client, worker, _body(rollout, 0, max_tokens=CUT_TOKENS, ignore_eos=True))
             await _decoding(worker, rollout)
             with _store_fault(worker, _StoreFault(rollout, dead_store, puts=True)):
-                failed = await worker.actor.cut.remote(_inventory((rollout, "c0", 0)))
+                failed = await worker.acut(_inventory((rollout, "c0", 0)))
             staged = store.list(STAGING, f"{rollout}/")
-            again = await worker.actor.cut.remote(_inventory((rollout, "c0", 0)))
+            again = await worker.acut(_inventory((rollout, "c0", 0)))
             return failed, staged, again, await _answer(task)
 
     failed, staged, again, out = asyncio.run(scenario())
@@ -661,12 +660,12 @@ def test_a_late_put_is_control_deadline_then_cleanup_pending(capture_worker, ref
             fault = _StoreFault(rollout, put_delay_s=delay_s)
             with _store_fault(worker, fault, cut_timeout_s=0.3):
                 t0 = time.monotonic()
-                late = await worker.actor.cut.remote(_inventory((rollout, "c0", 0)))
-                pending = await worker.actor.cut.remote(_inventory((rollout, "c0", 0)))
+                late = await worker.acut(_inventory((rollout, "c0", 0)))
+                pending = await worker.acut(_inventory((rollout, "c0", 0)))
                 assert time.monotonic() - t0 < delay_s  # both refused before the put landed
             out = await _answer(task)
             await asyncio.sleep(max(0.0, t0 + delay_s + 0.5 - time.monotonic()))
-            await worker.actor.drain.remote()
+            await worker.adrain()
             return late, pending, store.list(STAGING, f"{rollout}/"), out
 
     late, pending, staged, out = asyncio.run(scenario())
@@ -701,7 +700,7 @@ def test_every_generation_route_is_gated(capture_worker, route):
     rollout = f"fc-route-{next(_ids)}"
     resp = httpx.post(url, json=_route_body(route, rollout, rr_attempt=True), timeout=60)
     assert resp.status_code == 400 and "rr_attempt" in resp.text, resp.text
-    page = ray.get(worker.actor.call_attempts.remote(0))
+    page = worker.call_attempts(0)
     assert not [r for r in page["attempts"] if r["rollout_id"] == rollout]
     body = _route_body(route, rollout) | {"required_prefix_token_ids": [1, 2]}
     resp = httpx.post(url, json=body, timeout=60)

@@ -14,7 +14,6 @@ import itertools
 import httpx
 import numpy as np
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane.digest import chain_digests
@@ -52,11 +51,11 @@ def _same(resumed: dict, reference: dict) -> None:
 
 
 def _metrics(worker) -> dict:
-    return ray.get(worker.actor.capture_metrics.remote())
+    return worker.capture_metrics()
 
 
-def _next_epoch(actor) -> int:
-    return ray.get(actor.fence_state.remote())["highest_epoch"] + 1
+def _next_epoch(worker) -> int:
+    return worker.fence_state()["highest_epoch"] + 1
 
 
 def _delta(before: dict, after: dict, name: str) -> float:
@@ -142,7 +141,7 @@ def test_cut_exactly_at_the_finish_is_answered_without_decoding(capture_worker, 
     assert _delta(before, after, "resume.finished_without_decoding") == 1
     assert _delta(before, after, "resume.decoded_tokens") == 0
     # No captured call owns the earlier attempt's rows: the worker retires them itself.
-    ray.get(worker.actor.drain.remote())
+    worker.drain()
     assert store.list("rollout_staging", f"{rollout}/") == []
 
 
@@ -174,15 +173,15 @@ def test_a_terminal_completion_cut_resumes_from_its_finish_record(capture_worker
     worker, store = capture_worker
     xargs, rest, ref, _ = references[kind]
     rollout = f"term-{kind}-{next(_ids)}"
-    url, actor = worker.info.url, worker.actor
-    epoch = _next_epoch(actor)
-    ray.get(actor.begin_fence.remote(epoch, 120))
+    url = worker.info.url
+    epoch = _next_epoch(worker)
+    worker.begin_fence(epoch, 120)
     try:
         first = _chat(url, rollout, 0, xargs, **rest)
         _same(first, ref)
         inv = {"checkpoint_id": f"t-{rollout}", "calls": [{"rollout_id": rollout,
                                                             "model_call_id": "c0"}]}  # fmt: skip
-        [receipt] = ray.get(actor.cut.remote(inv))["calls"]
+        [receipt] = worker.cut(inv)["calls"]
         n = len(ref["choices"][0]["token_ids"])
         assert receipt["cut_kind"] == "terminal_completion"
         assert receipt["prefix_token_count"] == n
@@ -197,8 +196,8 @@ def test_a_terminal_completion_cut_resumes_from_its_finish_record(capture_worker
         assert _delta(before, after, "resume.finished_without_decoding") == 1
         assert _delta(before, after, "resume.decoded_tokens") == 0
     finally:
-        ray.get(actor.end_fence.remote(epoch))
-    ray.get(actor.drain.remote())
+        worker.end_fence(epoch)
+    worker.drain()
     assert store.list("rollout_staging", f"{rollout}/") == []
 
 
@@ -207,9 +206,9 @@ def test_labels_and_counts_describe_the_same_moment(capture_worker):
     whole answer, an active_prefix receipt always less than it (the label and the count are
     read together)."""
     worker, _ = capture_worker
-    url, actor = worker.info.url, worker.actor
+    url = worker.info.url
     rollouts = [f"race-{next(_ids)}" for _ in range(24)]
-    epoch = _next_epoch(actor)
+    epoch = _next_epoch(worker)
 
     async def scenario():
         limits = httpx.Limits(max_connections=64)
@@ -221,19 +220,19 @@ def test_labels_and_counts_describe_the_same_moment(capture_worker):
                 for i, r in enumerate(rollouts)
             ]  # fmt: skip
             receipts = []
-            await actor.begin_fence.remote(epoch, 120)  # keep chunks of finished calls
+            await worker.abegin_fence(epoch, 120)  # keep chunks of finished calls
             for k in itertools.count():
                 inv = {
                     "checkpoint_id": f"race-{epoch}-{k}",
                     "calls": [{"rollout_id": r, "model_call_id": "c0"} for r in rollouts],
                 }
-                receipts.append(await actor.cut.remote(inv))  # fmt: skip
+                receipts.append(await worker.acut(inv))  # fmt: skip
                 if all(t.done() for t in tasks):
                     break
                 await asyncio.sleep(0.05)
             outs = [(await t).json() for t in tasks]
-            receipts.append(await actor.cut.remote(inv | {"checkpoint_id": f"race-{epoch}-end"}))
-            await actor.end_fence.remote(epoch)
+            receipts.append(await worker.acut(inv | {"checkpoint_id": f"race-{epoch}-end"}))
+            await worker.aend_fence(epoch)
             return receipts, outs
 
     receipts, outs = asyncio.run(scenario())
@@ -251,4 +250,4 @@ def test_labels_and_counts_describe_the_same_moment(capture_worker):
                 active += 1
                 assert c["prefix_token_count"] < n, c
     assert terminal >= len(rollouts) and active > 0
-    ray.get(actor.drain.remote())
+    worker.drain()

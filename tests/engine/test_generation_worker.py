@@ -14,7 +14,7 @@ import psutil
 import pytest
 import ray
 
-from rollout_recovery.generation import start_workers, stop_workers
+from rollout_recovery.generation import WorkerPool
 from rollout_recovery.generation.engine_setup import engine_env
 from tests.engine.offline_common import run_offline
 
@@ -60,7 +60,7 @@ def test_workers_report_url_and_health(two_workers):
     urls = {w.info.url for w in two_workers}
     assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
     for w in two_workers:
-        health = ray.get(w.actor.health.remote())
+        health = w.health()
         assert health.healthy and health.url == w.info.url
         assert httpx.get(f"{w.info.url}/health", timeout=10).status_code == 200
         models = httpx.get(f"{w.info.url}/v1/models", timeout=10).json()
@@ -104,7 +104,9 @@ def test_greedy_chat_equals_offline_generation(two_workers, tiny_cfg, tiny_model
 
 def test_two_workers_serve_at_once_with_identical_greedy_output(two_workers):
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda w: _chat(w.info.url, max_tokens=16), two_workers + two_workers))
+        outs = list(
+            pool.map(lambda w: _chat(w.info.url, max_tokens=16), [*two_workers, *two_workers])
+        )
     ids = [o["choices"][0]["token_ids"] for o in outs]
     assert all(i == ids[0] for i in ids)
     assert len({w.info.pid for w in two_workers}) == 2
@@ -139,11 +141,11 @@ def test_malformed_request_is_rejected_and_next_is_served(two_workers, body, sta
     assert resp.status_code in (status, 422), resp.text
     assert "error" in resp.json() or "detail" in resp.json()
     assert _chat(url, max_tokens=4)["choices"][0]["token_ids"]
-    assert ray.get(two_workers[1].actor.health.remote()).healthy
+    assert two_workers[1].health().healthy
 
 
 def test_killed_worker_leaves_no_process(ray_session, tiny_cfg):
-    [worker] = start_workers(tiny_cfg, num_workers=1)
+    [worker] = WorkerPool.start(tiny_cfg, num_workers=1)
     pids = [worker.info.pid, *worker.info.engine_pids]
     assert all(_alive(p) for p in pids)
     ray.kill(worker.actor)  # no graceful shutdown: Ray and PDEATHSIG must clean up
@@ -151,9 +153,10 @@ def test_killed_worker_leaves_no_process(ray_session, tiny_cfg):
 
 
 def test_graceful_stop_leaves_no_process(ray_session, tiny_cfg):
-    [worker] = start_workers(tiny_cfg, num_workers=1)
+    pool = WorkerPool.start(tiny_cfg, num_workers=1)
+    worker = pool[0]
     pids = [worker.info.pid, *worker.info.engine_pids]
-    stop_workers([worker])
+    pool.stop()
     assert _wait_gone(pids) == []
 
 
@@ -162,12 +165,12 @@ def test_ray_shutdown_leaves_no_process(tiny_model_dir, tmp_path):
     script.write_text(
         "import json, sys, ray\n"
         "from rollout_recovery.config import load_config\n"
-        "from rollout_recovery.generation import start_workers\n"
+        "from rollout_recovery.generation import WorkerPool\n"
         "from rollout_recovery.runtime import init_ray\n"
         "if __name__ == '__main__':\n"
         f"    cfg = load_config(None, ['policy.model_path={tiny_model_dir}'])\n"
         "    init_ray('local', num_cpus=2, log_to_driver=False)\n"
-        "    [w] = start_workers(cfg, num_workers=1)\n"
+        "    [w] = WorkerPool.start(cfg, num_workers=1)\n"
         "    print('PIDS ' + json.dumps([w.info.pid, *w.info.engine_pids]), flush=True)\n"
         "    ray.shutdown()\n"
     )

@@ -9,7 +9,6 @@ import json
 import httpx
 import numpy as np
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane.digest import chain_digests
@@ -100,7 +99,7 @@ def tok(tiny_model_dir):
 
 
 def _metrics(worker) -> dict:
-    return ray.get(worker.actor.capture_metrics.remote())
+    return worker.capture_metrics()
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
@@ -219,7 +218,7 @@ def test_a_real_cut_survives_the_caller_going_away(capture_worker):
                 "checkpoint_id": "live",
                 "calls": [{"rollout_id": rollout, "model_call_id": "c0"}],
             }
-            receipt = await worker.actor.cut.remote(inv)
+            receipt = await worker.acut(inv)
             task.cancel()
             return receipt["calls"][0]
 
@@ -237,7 +236,7 @@ def test_a_real_cut_survives_the_caller_going_away(capture_worker):
     first = attempt_record(worker, rollout, 0)  # the attempt the "crash" interrupted
     assert first["resume"] == "none" and first["decoded_tokens"] >= call["prefix_token_count"]
     # Once the resumed call's terminal row is staged, the old attempt's chunks are deleted.
-    ray.get(worker.actor.drain.remote())
+    worker.drain()
     _, missing = capture_worker[1].get("rollout_staging", call["staging_keys"])
     assert missing == call["staging_keys"]
     assert not capture_worker[1].get("rollout_terminal", [f"{rollout}/c0/a1/terminal"])[1]
@@ -276,7 +275,7 @@ def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
         after = _metrics(worker)
         assert after.get(f"resume.{reason}", 0) == before.get(f"resume.{reason}", 0) + 1, reason
         assert_from_scratch(worker, rollout, attempt, reason, len(ref["choices"][0]["token_ids"]))
-    assert ray.get(worker.actor.health.remote()).healthy
+    assert worker.health().healthy
 
 
 def test_a_streamed_resume_delivers_the_whole_completion(capture_worker):
@@ -367,4 +366,4 @@ def test_booleans_are_not_numbers_in_call_identities_and_continuations(capture_w
     body = _body(rollout, 1, cont | {"rr_resume_keys": ["not a chunk key"]}, ignore_eos=True)
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "rr_resume_keys" in r.text, r.text
-    assert ray.get(worker.actor.health.remote()).healthy
+    assert worker.health().healthy

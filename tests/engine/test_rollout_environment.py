@@ -12,6 +12,8 @@ import pytest
 
 from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
+from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.protocol import EpisodeRecord
 from rollout_recovery.training.task import digit_reward
 
 pytestmark = pytest.mark.engine
@@ -42,19 +44,25 @@ def _wait(pred, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.002)
 
 
+def _call_in_flight(runner, rid: str) -> str:
+    _, call = runner.inflight.get(rid, (0, None))
+    return call.model_call_id if call is not None else ""
+
+
 def _checkpoint_then_crash(env: RolloutEnvironment, gid: str, seed: int, at_call: str, park: bool):
     """Run one episode; checkpoint while `at_call` is in flight (`park`: commit only once the
     episode has parked at the next turn boundary); then drop the environment mid-episode."""
     rid = f"{gid}-g0"
+    runner = env.runner
     run = asyncio.run_coroutine_threadsafe(
-        env._run_groups([(gid, MESSAGES)], [[seed]], digit_reward, 0), env._loop
+        runner.run_groups([(gid, MESSAGES)], [[seed]], digit_reward, 0), env._loop.loop
     )
-    _wait(lambda: env._inflight.get(rid, (0, ""))[1] == at_call, f"{at_call} in flight")
+    _wait(lambda: _call_in_flight(runner, rid) == at_call, f"{at_call} in flight")
     if not park:
         time.sleep(0.3)  # let the call decode a prefix
     cuts = env.prepare("ckpt-1", lease_s=60)
     if park:
-        _wait(lambda: rid not in env._inflight and len(env.episodes[rid].turns) > 0, "park")
+        _wait(lambda: rid not in runner.inflight and len(runner.episodes[rid].turns) > 0, "park")
     records = env.commit("ckpt-1")
     run.cancel()  # the crash: this environment never continues
     env.close()
@@ -64,7 +72,7 @@ def _checkpoint_then_crash(env: RolloutEnvironment, gid: str, seed: int, at_call
 def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture_worker, tiny_cfg):
     worker, store = capture_worker
     cfg = _cfg(tiny_cfg, "turn", 48)
-    reference = RolloutEnvironment(cfg, [worker], store)
+    reference = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     ref_row, ref_state = _episode(reference, store, "tref", seed=11)
     assert ref_state == {"tally": ref_state["tally"], "effects": [0, 1]}
     with pytest.raises(ProtocolError, match="already served"):
@@ -72,15 +80,15 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
     reference.close()
 
     _, records = _checkpoint_then_crash(
-        RolloutEnvironment(cfg, [worker], store), "trec", 11, at_call="c0", park=True
+        RolloutEnvironment(cfg, WorkerPool([worker]), store), "trec", 11, at_call="c0", park=True
     )
-    [rec] = records["episodes"]
-    assert len(rec["turns"]) == 1 and rec["state"]["effects"] == [0]
-    assert rec["continuation"] is None  # parked at the turn boundary: nothing in flight
+    [rec] = records.episodes
+    assert len(rec.turns) == 1 and rec.state["effects"] == [0]
+    assert rec.continuation is None  # parked at the turn boundary: nothing in flight
 
-    fresh = RolloutEnvironment(cfg, [worker], store)
+    fresh = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     fresh.begin_restore("r1")
-    assert fresh.end_restore("r1", records["episodes"]) == 1
+    assert fresh.end_restore("r1", records.episodes) == 1
     row, state = _episode(fresh, store, "trec", seed=11)
     counts = fresh.counters()
     fresh.close()
@@ -88,7 +96,7 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
     assert fresh.tool.applications == 1 and counts["tool_applications"] == 1
     assert state == ref_state
     assert counts["restored_episodes"] == 1
-    committed = fresh.sink.get(rec["turns"][0]["entry_id"])
+    committed = fresh.sink.get(rec.turns[0].entry_id)
     assert counts["restored_turn_tokens"] == len(committed.generated_token_ids) > 0
     np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
     np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
@@ -103,29 +111,29 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
 def test_prefix_level_restore_resumes_the_cut_call_of_turn_2(capture_worker, tiny_cfg):
     worker, store = capture_worker
     cfg = _cfg(tiny_cfg, "prefix", 160)
-    reference = RolloutEnvironment(cfg, [worker], store)
+    reference = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     ref_row, ref_state = _episode(reference, store, "pref", seed=5)
     reference.close()
     turn_lengths = np.diff(np.flatnonzero(np.diff(np.r_[0, ref_row.loss_mask, 0]) != 0))[::2]
     assert turn_lengths[1] > 100, "the seed must give turn 2 a long call to cut"
 
     cuts, records = _checkpoint_then_crash(
-        RolloutEnvironment(cfg, [worker], store), "prec", 5, at_call="c1", park=False
+        RolloutEnvironment(cfg, WorkerPool([worker]), store), "prec", 5, at_call="c1", park=False
     )
     assert cuts["calls_cut"] == 1
-    [rec] = records["episodes"]
-    cont = rec["continuation"]
-    assert len(rec["turns"]) == 1 and cont["call_id"] == "c1" and cont["attempt"] == 0
-    assert 0 < cont["tokens"] < turn_lengths[1] and records["continuations"]["prec-g0"] == cont
+    [rec] = records.episodes
+    cont = rec.continuation
+    assert len(rec.turns) == 1 and cont.call_id == "c1" and cont.attempt == 0
+    assert 0 < cont.tokens < turn_lengths[1] and records.continuations["prec-g0"] == cont
 
-    fresh = RolloutEnvironment(cfg, [worker], store)
+    fresh = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     fresh.begin_restore("r2")
-    fresh.end_restore("r2", records["episodes"])
+    fresh.end_restore("r2", records.episodes)
     row, state = _episode(fresh, store, "prec", seed=5)
     counts = fresh.counters()
     fresh.close()
-    assert counts["restored_calls"] == 1 and counts["restored_prefix_tokens"] == cont["tokens"]
-    assert counts["tail_tokens"] + cont["tokens"] == turn_lengths[1]
+    assert counts["restored_calls"] == 1 and counts["restored_prefix_tokens"] == cont.tokens
+    assert counts["tail_tokens"] + cont.tokens == turn_lengths[1]
     assert state == ref_state and fresh.tool.applications == 1
     np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
     np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
@@ -153,13 +161,13 @@ def test_chunk_rows_do_not_outlive_their_calls(capture_worker, tiny_cfg):
     checkpoint, and after a restore only the rows its continuations name are left."""
     worker, store = capture_worker
     cfg = _cfg(tiny_cfg, "prefix", 160)
-    env = RolloutEnvironment(cfg, [worker], store)
+    env = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     _stray_rows(store, "sweep-a-g0/c0/a0/c000000", "sweep-a-g1/c2/a1/c000003")
     env.prepare("ckpt-sweep", lease_s=60)
     records = env.commit("ckpt-sweep")
     env.resume("ckpt-sweep")
     env.close()
-    assert records["chunk_rows_swept"] >= 2
+    assert records.chunk_rows_swept >= 2
     assert store.list("rollout_staging", "sweep-a-") == []
 
     _stray_rows(store, "sweep-b-g0/c1/a0/c000000", "sweep-b-g0/c1/a0/c000001",
@@ -169,9 +177,9 @@ def test_chunk_rows_do_not_outlive_their_calls(capture_worker, tiny_cfg):
     record = {"format": 1, "rollout_id": "sweep-b-g0", "group_id": "sweep-b", "seed": 1,
               "generation_index": 0, "attempt": 0, "messages": MESSAGES,
               "state": {"tally": 0, "effects": []}, "turns": [], "continuation": kept}  # fmt: skip
-    fresh = RolloutEnvironment(cfg, [worker], store)
+    fresh = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     fresh.begin_restore("r-sweep")
-    fresh.end_restore("r-sweep", [record])
+    fresh.end_restore("r-sweep", [EpisodeRecord.model_validate(record)])
     fresh.close()
     assert store.list("rollout_staging", "sweep-b-") == kept["keys"]
     store.delete("rollout_staging", kept["keys"])

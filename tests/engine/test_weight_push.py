@@ -40,7 +40,7 @@ def test_push_serves_new_weights_refuses_bad_ones_and_tags_versions(
     capture_worker, tiny_model_dir, tiny_cfg, tmp_path
 ):
     worker, store = capture_worker
-    url, actor = worker.info.url, worker.actor
+    url = worker.info.url
     before = _chat(url)
 
     def perturb(t):
@@ -50,7 +50,7 @@ def test_push_serves_new_weights_refuses_bad_ones_and_tags_versions(
         w += 0.05 * torch.randn(w.shape, generator=gen)
 
     new_dir = _variant(tiny_model_dir, tmp_path / "v1", perturb)
-    assert ray.get(actor.push_weights.remote(new_dir, 1)) == 1
+    assert worker.push_weights(new_dir, 1) == 1
     after = _chat(url)
     prompt = after["prompt_token_ids"]
     ref = run_offline(
@@ -70,22 +70,22 @@ def test_push_serves_new_weights_refuses_bad_ones_and_tags_versions(
         lambda t: t.__setitem__("model.norm.weight", torch.ones(3)),
     )  # fmt: skip
     with pytest.raises(ray.exceptions.RayTaskError, match=re.escape("missing ['lm_head.weight']")):
-        ray.get(actor.push_weights.remote(missing, 2))
+        worker.push_weights(missing, 2)
     with pytest.raises(ray.exceptions.RayTaskError, match=re.escape("model.norm.weight")):
-        ray.get(actor.push_weights.remote(wrong, 2))
+        worker.push_weights(wrong, 2)
     with pytest.raises(ray.exceptions.RayTaskError, match="must be newer"):
-        ray.get(actor.push_weights.remote(new_dir, 1))
-    assert ray.get(actor.health.remote()).healthy
+        worker.push_weights(new_dir, 1)
+    assert worker.health().healthy
     assert _chat(url)["choices"][0]["token_ids"] == after["choices"][0]["token_ids"]
 
     # Tokens generated now carry weight version 1.
     _chat(url, rr_rollout_id="wv", rr_model_call_id="c0")
-    ray.get(actor.drain.remote())
+    worker.drain()
     table, missing_keys = store.get("rollout_terminal", ["wv/c0/a0/terminal"])
     assert not missing_keys
     [row] = table_to_terminal_rows(table)
     assert row.weight_versions == [(1, 0, 16)]
 
     # Pushing the original weights back restores the original answers exactly.
-    assert ray.get(actor.push_weights.remote(str(tiny_model_dir), 2)) == 2
+    assert worker.push_weights(str(tiny_model_dir), 2) == 2
     assert _chat(url)["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]

@@ -12,8 +12,13 @@ import pytest
 
 from rollout_recovery.api import RolloutRecovery
 from rollout_recovery.config import load_config
+from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
+from rollout_recovery.controller.metrics import RunMetrics
+from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.errors import CheckpointWriteError
+from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
+from rollout_recovery.storage import RunStorage
 
 
 class _Method:
@@ -58,7 +63,7 @@ class HangingStore:
         await asyncio.sleep(3600)
 
 
-def _rr(tmp_path, failures: int = 2, *extra: str) -> tuple[RolloutRecovery, list[FakeWorker]]:
+def _rr(tmp_path, failures: int = 2, *extra: str) -> tuple[CheckpointCoordinator, list[FakeWorker]]:
     cfg = load_config(
         None,
         [
@@ -69,21 +74,25 @@ def _rr(tmp_path, failures: int = 2, *extra: str) -> tuple[RolloutRecovery, list
             *extra,
         ],
     )
-    rr = RolloutRecovery(cfg)
     fakes = [FakeWorker(), FakeWorker()]
     info = SimpleNamespace(url="http://127.0.0.1:9", served_model_name="policy", eos_token_id=2)
-    rr.workers = [SimpleNamespace(actor=f, info=info) for f in fakes]
-    rr.store = FailingStore()
-    rr.env = LocalActor(RolloutEnvironment(cfg, rr.workers, None))
+    workers = WorkerPool([WorkerHandle(f, info) for f in fakes])
+    env = EnvironmentClient(LocalActor(RolloutEnvironment(cfg, workers, None)))
+    state = RunState(model={"path": "tiny://default", "sha256": None})
+    rr = CheckpointCoordinator(
+        cfg, state, FailingStore(), workers, env, RunStorage(str(tmp_path)), RunMetrics()
+    )
     return rr, fakes
 
 
 def test_a_failed_checkpoint_releases_every_fence_and_publishes_nothing(tmp_path):
     rr, fakes = _rr(tmp_path)
     with pytest.raises(OSError, match="disk full"):
-        asyncio.run(rr.checkpoint("cadence"))
+        asyncio.run(rr.attempt("cadence"))
     assert all(f.begun == [1] and not f.held for f in fakes)
-    assert rr.env.obj.participant.state == "idle"  # admission reopened after the failure
+    assert (
+        rr.env.actor.obj.runner.participant.state == "idle"
+    )  # admission reopened after the failure
     assert not (tmp_path / "checkpoints.jsonl").exists()
     assert not (tmp_path / "data_plane").exists()
 
@@ -91,15 +100,15 @@ def test_a_failed_checkpoint_releases_every_fence_and_publishes_nothing(tmp_path
 def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
     rr, fakes = _rr(tmp_path, failures=3)
     calls = []
-    orig = rr.checkpoint
+    orig = rr.attempt
 
     async def counted(reason):
         calls.append(reason)
         return await orig(reason)
 
-    rr.checkpoint = counted
+    rr.attempt = counted
     with pytest.raises(CheckpointWriteError, match=r"3 rollout checkpoint attempts failed"):
-        asyncio.run(asyncio.wait_for(rr._checkpoint_cadence(), timeout=10))
+        asyncio.run(asyncio.wait_for(rr.cadence(), timeout=10))
     assert len(calls) == 3 and all(not f.held for f in fakes)
     failed = (tmp_path / "checkpoints.jsonl").read_text().splitlines()
     assert len(failed) == 3 and all("disk full" in line for line in failed)
@@ -108,10 +117,15 @@ def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
 def test_a_failed_snapshot_after_a_trainer_checkpoint_counts_like_any_other(tmp_path):
     """It does not stop the run by itself; it adds to the same count as cadence attempts."""
     rr, fakes = _rr(tmp_path, 3, "checkpointing.save_data_plane=true")
-    assert rr.notify_trainer_checkpoint(1) == {"snapshot_s": None, "failed": 1}
-    assert rr.notify_trainer_checkpoint(2) == {"snapshot_s": None, "failed": 2}
-    with pytest.raises(CheckpointWriteError, match="max_consecutive_failures=3"):
-        rr.notify_trainer_checkpoint(3)
+    facade = RolloutRecovery(rr.cfg)
+    facade.coordinator = rr
+    try:
+        assert facade.notify_trainer_checkpoint(1) == {"snapshot_s": None, "failed": 1}
+        assert facade.notify_trainer_checkpoint(2) == {"snapshot_s": None, "failed": 2}
+        with pytest.raises(CheckpointWriteError, match="max_consecutive_failures=3"):
+            facade.notify_trainer_checkpoint(3)
+    finally:
+        facade.close()
     assert all(not f.held for f in fakes)
 
 
@@ -126,19 +140,22 @@ class RaisingEnv(LocalActor):
 
 def test_fences_are_released_whatever_the_environment_raises_on_release(tmp_path):
     rr, fakes = _rr(tmp_path)
-    rr.env = RaisingEnv(rr.env.obj)
+    rr.env = EnvironmentClient(RaisingEnv(rr.env.actor.obj))
     with pytest.raises(OSError, match="disk full"):
-        asyncio.run(rr.checkpoint("cadence"))
+        asyncio.run(rr.attempt("cadence"))
     assert all(f.begun == [1] and not f.held for f in fakes)
-    assert rr.stats["release_errors"] == 1
+    assert rr.metrics.controller["release_errors"] == 1
 
 
 def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path):
     rr, fakes = _rr(tmp_path, 2, "rollout_checkpointing.attempt_timeout_s=0.3")
     rr.store = HangingStore()
     with pytest.raises(TimeoutError, match=r"attempt_timeout_s=0\.3; aborted, nothing published"):
-        asyncio.run(rr.checkpoint("cadence"))
+        asyncio.run(rr.attempt("cadence"))
     assert all(f.begun == [1] and not f.held for f in fakes)
-    assert rr.env.obj.participant.state == "idle"
-    assert rr.stats["checkpoint_failures"] == 1 and rr.stats["checkpoints"] == 0
+    assert rr.env.actor.obj.runner.participant.state == "idle"
+    assert (
+        rr.metrics.controller["checkpoint_failures"] == 1
+        and rr.metrics.controller["checkpoints"] == 0
+    )
     assert not (tmp_path / "data_plane").exists()

@@ -43,3 +43,86 @@ def test_make_tiny_model_command(tmp_path, capsys):
     assert main(["make-tiny-model", str(tmp_path / "m")]) == 0
     assert (tmp_path / "m" / "model.safetensors").is_file()
     assert "tiny model written" in capsys.readouterr().out
+
+
+def test_config_explain_a_setting(capsys):
+    assert main(["config", "--explain", "rollout_checkpointing.keep_latest_k"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == "rollout_checkpointing.keep_latest_k"
+    assert "  type: int" in lines
+    assert "  default: 3" in lines
+    assert "  constraints: >= 1" in lines
+    assert "  in views: CheckpointCoordinatorConfig" in lines
+    text = " ".join(out.split())
+    assert "Snapshots to keep" in text and "trainer-checkpoint retention" in text
+
+
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    [
+        (
+            "vllm_cfg.device",
+            ["  type: cpu | cuda", '  default: "cpu"', "  constraints: one of: cpu, cuda"],
+        ),
+        ("vllm_cfg.kv_cache_memory_bytes", ["  type: int or null", "  constraints: >= 1048576"]),
+        ("policy.generation.top_p", ["  type: float", "  constraints: > 0 and <= 1"]),
+        ("vllm_cfg.worker_resources", ["  type: mapping of str to float", "  default: {}"]),
+        ("token_capture.control_auth_token", ["  type: str or null", "  default: null"]),
+        ("grpo.seed", ["  type: int", "  constraints: none"]),
+    ],
+)
+def test_config_explain_shows_types_defaults_and_choices(capsys, key, expected):
+    assert main(["config", "--explain", key]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for line in expected:
+        assert line in lines
+
+
+def test_config_explain_a_block_lists_its_fields(capsys):
+    from rollout_recovery.config import TokenCaptureConfig
+
+    assert main(["config", "--explain", "token_capture"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("token_capture (block)\n")
+    assert "Whether the workers record every generated token" in out
+    rows = out.split("fields (")[1].splitlines()[1:]
+    assert [r.split()[0] for r in rows] == list(TokenCaptureConfig.model_fields)
+    assert all(len(r) <= 100 for r in rows), "one line per field"
+    assert any(r.split()[0] == "enabled" and "Install token capture" in r for r in rows)
+
+
+def test_config_explain_a_nested_block(capsys):
+    assert main(["config", "--explain", "policy.generation"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("policy.generation (block)\n")
+    assert "  temperature " in out and "  top_logprobs " in out
+
+
+def test_config_explain_unknown_key_says_what_the_loader_says(capsys):
+    assert main(["config", "--explain", "rollout_checkpointing.keep_latst_k"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "rollout-recovery: unknown key `rollout_checkpointing.keep_latst_k`; remove it or check "
+        "its spelling; did you mean `rollout_checkpointing.keep_latest_k`?\n"
+    )
+    assert main(["config", "rollout_checkpointing.keep_latst_k=2"]) == 2
+    assert "remove it or check its spelling; did you mean" in capsys.readouterr().err
+
+
+def test_config_explain_refuses_overrides(capsys):
+    assert main(["config", "--explain", "grpo.steps", "grpo.steps=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "reads no KEY=VALUE overrides" in err
+
+
+def test_config_explain_works_outside_the_repository(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_recovery.cli", "config", "--explain", "grpo.steps"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("grpo.steps\n  type: int\n")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -11,10 +12,18 @@ import yaml
 from pydantic import BaseModel
 
 from rollout_recovery.config import (
+    COMPONENT_VIEWS,
+    CheckpointCoordinatorConfig,
+    CheckpointingConfig,
     ConfigError,
+    EnvironmentActorConfig,
+    GenerationConfig,
+    RolloutCheckpointingConfig,
     RolloutRecoveryConfig,
+    WorkerConfig,
     dump_config,
     load_config,
+    lookup_key,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -460,3 +469,147 @@ def test_extends_cycle_across_folders_starts_where_it_closes(tmp_path):
     msg = str(info.value)
     assert "cycle: a.yaml -> sub/b.yaml -> a.yaml;" in msg and "start.yaml" not in msg
     assert "remove one of these `extends`" in msg and "\n" not in msg
+
+
+# ---------------------------------------------------------------- field docs
+
+
+def _blocks(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, type[BaseModel]]]:
+    """(dotted key, block class) for `model` and every block below it."""
+    yield prefix.rstrip("."), model
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _blocks(annotation, f"{prefix}{name}.")
+
+
+def test_every_field_of_every_block_and_view_is_documented():
+    roots = [RolloutRecoveryConfig, *COMPONENT_VIEWS]
+    seen = 0
+    for root in roots:
+        for key, block in _blocks(root):
+            assert (block.__doc__ or "").strip(), f"{block.__name__} has no docstring"
+            for name, field in block.model_fields.items():
+                where = f"{root.__name__}: {key + '.' if key else ''}{name}"
+                assert (field.description or "").strip(), f"{where} has no description"
+                seen += 1
+    assert seen > 60
+
+
+def test_docs_state_the_interplay_between_blocks():
+    keep = RolloutCheckpointingConfig.model_fields["keep_latest_k"].description
+    assert "trainer-checkpoint retention" in keep and "save_data_plane=false" in keep
+    # The split between the two checkpointing blocks is stated on both sides.
+    assert "`checkpointing`" in RolloutCheckpointingConfig.__doc__
+    assert "`rollout_checkpointing`" in CheckpointingConfig.__doc__
+    assert (
+        "seconds"
+        in RolloutCheckpointingConfig.model_fields["attempt_timeout_s"].description.lower()
+    )
+
+
+def test_lookup_key_finds_settings_and_blocks_and_refuses_typos():
+    setting = lookup_key("rollout_checkpointing.keep_latest_k")
+    assert setting.block is None and setting.field.default == 3
+    block = lookup_key("policy.generation")
+    assert block.block is GenerationConfig
+    with pytest.raises(ConfigError) as info:
+        lookup_key("rollout_checkpointing.keep_latst_k")
+    msg = str(info.value)
+    assert msg == (
+        "unknown key `rollout_checkpointing.keep_latst_k`; remove it or check its spelling; "
+        "did you mean `rollout_checkpointing.keep_latest_k`?"
+    )
+    # The loader says the same words.
+    assert msg in _error("rollout_checkpointing.keep_latst_k=2")
+    for bad in ("", "grpo.", "grpo.steps.x"):
+        with pytest.raises(ConfigError, match="unknown key"):
+            lookup_key(bad)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("grpo.steps=0", "`grpo.steps`: must be >= 1 (got 0)"),
+        ("vllm_cfg.kv_cache_memory_bytes=5", "must be >= 1048576 bytes (got 5)"),
+        ("vllm_cfg.startup_timeout_s=0", "`vllm_cfg.startup_timeout_s`: must be > 0 seconds"),
+        ("policy.generation.top_p=1.5", "`policy.generation.top_p`: must be <= 1 (got 1.5)"),
+    ],
+)
+def test_bounds_read_the_same_in_every_error(override, expected):
+    assert expected in _error(override)
+
+
+# ---------------------------------------------------------------- component views
+
+VIEWS = {
+    WorkerConfig: ("worker_config", {"policy", "vllm_cfg", "token_capture"}),
+    EnvironmentActorConfig: (
+        "environment_config",
+        {"policy", "environment", "token_capture", "rollout_recovery"},
+    ),
+    CheckpointCoordinatorConfig: (
+        "checkpoint_config",
+        {"rollout_recovery", "rollout_checkpointing", "checkpointing", "token_capture"},
+    ),
+}
+
+
+def test_views_hold_the_job_blocks_under_the_job_names():
+    assert set(COMPONENT_VIEWS) == set(VIEWS)
+    job_fields = RolloutRecoveryConfig.model_fields
+    for view, (_, names) in VIEWS.items():
+        assert set(view.model_fields) == names
+        for name, field in view.model_fields.items():
+            assert field.annotation is job_fields[name].annotation
+            assert field.is_required(), f"{view.__name__}.{name} must come from the job"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_views_carry_the_job_settings_and_round_trip_as_dicts(path):
+    cfg = load_config(path, ["vllm_cfg.num_workers=2", "token_capture.control_auth_token=t"])
+    for view_cls, (method, names) in VIEWS.items():
+        view = getattr(cfg, method)()
+        assert type(view) is view_cls
+        for name in names:
+            assert getattr(view, name) == getattr(cfg, name)
+        data = view.model_dump(mode="json")
+        assert json.loads(json.dumps(data)) == data  # what crosses a Ray boundary
+        assert view_cls.model_validate(data) == view
+        assert view_cls.from_dict(data) == view
+    assert cfg.worker_config().vllm_cfg.num_workers == 2
+    assert cfg.checkpoint_config().token_capture.control_auth_token == "t"
+
+
+def test_a_view_is_a_copy():
+    cfg = _load()
+    worker, env = cfg.worker_config(), cfg.environment_config()
+    worker.token_capture.control_auth_token = "minted"
+    worker.policy.generation.max_new_tokens = 7
+    assert cfg.token_capture.control_auth_token is None
+    assert env.token_capture.control_auth_token is None
+    assert cfg.policy.generation.max_new_tokens == env.policy.generation.max_new_tokens == 64
+
+
+def test_views_refuse_unknown_and_missing_blocks_in_one_line():
+    data = _load().worker_config().model_dump(mode="json")
+    with pytest.raises(ConfigError) as info:
+        WorkerConfig.from_dict(data | {"grpo": {"steps": 3}})
+    assert str(info.value) == (
+        "invalid WorkerConfig: unknown key `grpo`; remove it or check its spelling"
+    )
+    del data["vllm_cfg"]
+    with pytest.raises(ConfigError, match=r"invalid WorkerConfig: `vllm_cfg`: Field required"):
+        WorkerConfig.from_dict(data)
+
+
+def test_views_check_block_rules_while_cross_block_rules_stay_on_the_job():
+    data = _load().worker_config().model_dump(mode="json")
+    data["vllm_cfg"]["kv_cache_memory_bytes"] = None
+    with pytest.raises(ConfigError, match="kv_cache_memory_bytes must be set"):
+        WorkerConfig.from_dict(data)
+    # max_turns=3 without prefix supply is refused by the job, not re-checked by a view.
+    env = _load().environment_config().model_dump(mode="json")
+    env["environment"]["max_turns"] = 3
+    assert EnvironmentActorConfig.from_dict(env).environment.max_turns == 3
+    assert "environment.max_turns=3 needs" in _error("environment.max_turns=3")

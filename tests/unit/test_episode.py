@@ -22,6 +22,8 @@ from rollout_recovery.environment.episode import (
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.environment.token_sink import JsonlTokenSink
+from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.protocol import Continuation, EpisodeRecord
 
 
 def _entry(call: str, prompt: list[int], gen: list[int]) -> TokenEntry:
@@ -79,14 +81,16 @@ def test_a_turn_whose_tokens_were_re_rendered_fails_closed():
 
 def test_records_round_trip_with_their_entries_from_the_data_plane():
     ep = _episode()
-    ep.attempt, ep.continuation = 2, {"call_id": "c2", "attempt": 2, "keys": ["k"], "tokens": 4}
+    ep.attempt = 2
+    ep.continuation = Continuation(call_id="c2", attempt=2, keys=["k"], tokens=4)
     entries = {t.entry.entry_id: t.entry for t in ep.turns}
-    record = json.loads(json.dumps(ep.to_record()))
-    assert "prompt_token_ids" not in json.dumps(record)  # tokens stay in the data plane
+    wire = json.loads(json.dumps(ep.to_record().model_dump(mode="json")))
+    assert "prompt_token_ids" not in json.dumps(wire)  # tokens stay in the data plane
+    record = EpisodeRecord.model_validate(wire)
     back = Episode.from_record(record, entries.get)
     assert back == ep and back.next_call_id == "c2" and back.replies() == ["a1", "7b"]
     with pytest.raises(RecordError, match="record_format"):
-        Episode.from_record({**record, "format": 99}, entries.get)
+        Episode.from_record(EpisodeRecord.model_validate({**wire, "format": 99}), entries.get)
     with pytest.raises(RecordError, match="missing_entry: r-g0/c1/a0"):
         Episode.from_record(record, {"r-g0/c0/a0": ep.turns[0].entry}.get)
     changed = _entry("c0", [1, 2, 3], [10, 11, 12])
@@ -95,12 +99,12 @@ def test_records_round_trip_with_their_entries_from_the_data_plane():
 
 
 def test_a_record_that_cannot_be_restored_starts_over_in_the_environment(tmp_path):
-    env = RolloutEnvironment(load_config(None, []), [], None)
+    env = RolloutEnvironment(load_config(None, []), WorkerPool([]), None)
     try:
-        env.sink = JsonlTokenSink(tmp_path / "entries.jsonl")  # holds none of the entries
+        env.runner.sink = JsonlTokenSink(tmp_path / "entries.jsonl")  # holds none of the entries
         env.begin_restore("r1")
         assert env.end_restore("r1", [_episode().to_record()]) == 1
-        ep = env.pending["r-g0"]
+        ep = env.runner.pending["r-g0"]
         assert ep.turns == [] and ep.messages == [{"role": "user", "content": "go"}]
         assert ep.state == TallyTool.initial_state() and ep.continuation is None
         assert env.counters() == {"restore_refused.missing_entry": 1}

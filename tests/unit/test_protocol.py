@@ -12,6 +12,8 @@ from rollout_recovery.protocol import (
     check_continuation_fields,
     check_id,
     identity_from_extra_args,
+    incomplete_key,
+    is_incomplete_key,
     resume_request,
 )
 
@@ -40,8 +42,9 @@ def test_identifiers_and_attempts_are_checked():
 
 
 def test_a_continuation_goes_from_receipt_to_record_to_request_and_back():
-    receipt = {"model_call_id": "c0", "attempt": 1, "disposition": "durable_prefix",
-               "staging_keys": ["r/c0/a1/c000000", "r/c0/a1/c000001"], "prefix_token_count": 9,
+    receipt = {"rollout_id": "r", "model_call_id": "c0", "attempt": 1,
+               "disposition": "durable_prefix", "prefix_token_count": 9,
+               "staging_keys": ["r/c0/a1/c000000", "r/c0/a1/c000001"],
                "prefix_digest": "ab" * 32, "cut_kind": "active_prefix"}  # fmt: skip
     cont = Continuation.from_receipt(receipt)
     record = cont.to_record()
@@ -80,3 +83,9 @@ def test_episode_names_round_trip():
     assert replay_key(gid, 2) == "s0012-p003/002"
     assert rollout_of_replay_key(replay_key(gid, 2)) == rollout_id(gid, 2) == "s0012-p003-g2"
     assert sorted(replay_key(gid, i) for i in (10, 2)) == [replay_key(gid, 2), replay_key(gid, 10)]
+
+
+def test_incomplete_markers_have_their_own_key_shape():
+    key = incomplete_key("r-g0", "c1")
+    assert key == "r-g0/c1/incomplete" and is_incomplete_key(key)
+    assert not is_incomplete_key("r-g0/c1/a0") and not is_incomplete_key("x/r-g0/c1/incomplete")

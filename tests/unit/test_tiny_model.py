@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from rollout_recovery.model_identity import resolve_model_path
 from rollout_recovery.tiny_model import TinyModelSpec, build_tiny_model, ensure_tiny_model
 
 
@@ -61,3 +62,13 @@ def test_transformers_loads_model_tokenizer_and_chat_template(tiny_model_dir):
         logits = model(torch.tensor([ids])).logits
     assert logits.shape == (1, len(ids), config.vocab_size)
     assert torch.isfinite(logits).all()
+
+
+def test_model_paths_resolve_to_what_vllm_loads(tiny_model_dir, tmp_path):
+    from rollout_recovery import tiny_model
+
+    assert resolve_model_path("tiny://default") == str(tiny_model_dir)
+    assert resolve_model_path("hf://Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    # Resolution is about which model a run uses, not about building the tiny one.
+    assert not hasattr(tiny_model, "resolve_model_path")

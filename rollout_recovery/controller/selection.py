@@ -18,13 +18,16 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pydantic import ValidationError
+
+from rollout_recovery.config import CheckpointCoordinatorConfig
 from rollout_recovery.data_plane import SnapshotError, StagingStore
 from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.errors import RestoreError
+from rollout_recovery.protocol import LEDGER_FORMAT, Ledger
 from rollout_recovery.storage import RunStorage
 
 LEDGER = "ledger.json"
-LEDGER_FORMAT = 3  # 3: the model identity (base model, weight version and digest)
 LEVELS = ("none", "turn", "prefix")
 DATA_PLANE = "data_plane"
 
@@ -37,12 +40,12 @@ class SnapshotUnusable(Exception):
 @dataclass
 class SnapshotChoice:
     snapshot: str
-    ledger: dict
+    ledger: Ledger
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (uri, reason), newest first
     extra: dict = field(default_factory=dict)  # what `accept` returned for the chosen one
 
 
-def read_ledger(uri: str) -> dict:
+def read_ledger(uri: str) -> Ledger:
     """The snapshot's verified ledger; SnapshotUnusable when it is unreadable or too old."""
     try:
         ledger = json.loads(StagingStore.read_sidecar(uri, LEDGER))
@@ -56,18 +59,19 @@ def read_ledger(uri: str) -> dict:
             f"its ledger has format {got!r}, this version restores format {LEDGER_FORMAT} "
             "(format 2 ledgers predate the model identity a restore must check)"
         )
-    missing = [k for k in ("step", "weight_version", "level", "model", "continuations")
-               if k not in ledger]  # fmt: skip
-    if missing:
-        raise SnapshotUnusable(f"its ledger lacks {missing}")
-    return ledger
+    try:
+        return Ledger.model_validate(ledger)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise SnapshotUnusable(f"its ledger is malformed at `{where}`: {first['msg']}") from None
 
 
 def select_snapshot(
     root_uri: str,
     mode: str,
     level: str,
-    accept: Callable[[str, dict], dict] | None = None,
+    accept: Callable[[str, Ledger], dict] | None = None,
 ) -> SnapshotChoice | None:
     """The newest usable snapshot under `root_uri` (`mode="trainer_checkpoint"`: among those
     taken right after a trainer checkpoint). `accept(uri, ledger)` may add checks (raising
@@ -103,10 +107,9 @@ def select_snapshot(
     return None
 
 
-def _check_level(uri: str, ledger: dict, level: str) -> None:
-    taken = ledger.get("level", "none")
-    unfinished = ledger["continuations"] or ledger.get("episodes")
-    if unfinished and LEVELS.index(taken) > LEVELS.index(level):
+def _check_level(uri: str, ledger: Ledger, level: str) -> None:
+    taken = ledger.level
+    if ledger.holds_unfinished_work() and LEVELS.index(taken) > LEVELS.index(level):
         raise RestoreError(
             f"snapshot {uri} holds {taken}-level recovery state; restore it with "
             f"rollout_recovery.target_level={taken}, or use "
@@ -114,9 +117,9 @@ def _check_level(uri: str, ledger: dict, level: str) -> None:
         )
 
 
-def check_model(uri: str, ledger: dict, identity: dict) -> None:
+def check_model(uri: str, ledger: Ledger, identity: dict) -> None:
     """Refuse a snapshot whose tokens another model decoded (compared before anything loads)."""
-    recorded = ledger["model"]["base"]
+    recorded = ledger.model.base
     if recorded.get("sha256") is None or identity.get("sha256") is None:
         same = recorded.get("path") == identity.get("path")  # hub models: by name only
     else:
@@ -141,3 +144,32 @@ def run_has_state(storage: RunStorage) -> list[str]:
     if any(n.startswith("snapshot-") for n in storage.list_dir(DATA_PLANE)):
         found.append("data-plane snapshots")
     return found
+
+
+def restore_snapshot(
+    cfg: CheckpointCoordinatorConfig,
+    store: StagingStore,
+    root_uri: str,
+    model: dict,
+    snapshot: str | None,
+    mode: str | None,
+) -> SnapshotChoice | None:
+    """Restore `store` from `snapshot` (already chosen, e.g. by the driver) or from the newest
+    usable one under `root_uri` by `mode` (default `rollout_checkpointing.restore_mode`),
+    after checking it was taken with `model`. None when nothing was ever published."""
+    if snapshot is None:
+        mode = mode or cfg.rollout_checkpointing.restore_mode
+        choice = select_snapshot(root_uri, mode, cfg.rollout_recovery.target_level)
+        if choice is None:
+            return None
+    else:
+        try:
+            choice = SnapshotChoice(snapshot, read_ledger(snapshot))
+        except SnapshotUnusable as err:
+            raise RestoreError(f"snapshot {snapshot} cannot be restored: {err}") from None
+    check_model(choice.snapshot, choice.ledger, model)
+    try:
+        store.restore(choice.snapshot)
+    except SnapshotError as err:
+        raise RestoreError(f"snapshot {choice.snapshot} cannot be restored: {err}") from None
+    return choice

@@ -1,0 +1,203 @@
+"""The checkpoint coordinator: the cadence, one checkpoint attempt, its ledger, retention and
+the checkpoint log (DESIGN.md §4).
+
+One attempt: fence every worker (terminal rows and chunk deletes wait), prepare the
+environment (admission closed, in-flight calls cut), commit its episode records, snapshot the
+store with the ledger (manifest last: that publishes it), then release the fences and reopen
+admission, also when the attempt fails. An attempt that fails or runs out of time is aborted
+through its publish gate, so its snapshot can no longer be published. Attempts, on the cadence
+or after a trainer checkpoint, share one count of consecutive failures:
+`rollout_checkpointing.max_consecutive_failures` in a row stop the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from rollout_recovery.config import CheckpointCoordinatorConfig
+from rollout_recovery.controller.metrics import RunMetrics
+from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
+from rollout_recovery.data_plane import PublishGate, StagingStore
+from rollout_recovery.environment.client import EnvironmentClient
+from rollout_recovery.environment.participant import ProtocolError
+from rollout_recovery.errors import CheckpointWriteError, one_line
+from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.protocol import CheckpointRecords, Ledger, ServedModel
+from rollout_recovery.storage import RunStorage
+
+log = logging.getLogger("rollout_recovery")
+CHECKPOINT_LOG = "checkpoints.jsonl"
+T = TypeVar("T")
+
+
+@dataclass
+class RunState:
+    """What a ledger stamps on each snapshot: the trainer step and the served model."""
+
+    model: dict  # the base model's identity (model_identity.base_model_identity)
+    step: int = 0  # the trainer step whose rollouts are being generated
+    weight_version: int = 0
+    weights_sha256: str | None = None  # None: the base model's weights are served
+
+    def served_model(self) -> ServedModel:
+        return ServedModel(base=self.model, weight_version=self.weight_version,
+                           weights_sha256=self.weights_sha256)  # fmt: skip
+
+
+class CheckpointCoordinator:
+    def __init__(
+        self,
+        cfg: CheckpointCoordinatorConfig,
+        state: RunState,
+        store: StagingStore,
+        workers: WorkerPool,
+        env: EnvironmentClient,
+        storage: RunStorage,
+        metrics: RunMetrics,
+    ) -> None:
+        self.cfg, self.state, self.store, self.workers = cfg, state, store, workers
+        self.env, self.storage, self.metrics = env, storage, metrics
+        self.snapshot_root = storage.child_uri(DATA_PLANE)
+        self.epochs = itertools.count(1)  # fence epochs: each attempt's is newer
+        self.failures_in_a_row = 0
+
+    async def cadence(self) -> None:
+        """Attempt a checkpoint every `snapshot_attempt_interval_s` until cancelled (or
+        until too many fail in a row, which raises)."""
+        interval = self.cfg.rollout_checkpointing.snapshot_attempt_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            await self.counted("cadence")
+
+    async def alongside(self, work: Awaitable[T]) -> T:
+        """`work`, with checkpoint attempts on the cadence until it is done (none at level
+        `none`); the cadence giving up (max_consecutive_failures) stops the run."""
+        work = asyncio.ensure_future(work)
+        if self.cfg.rollout_recovery.target_level == "none":
+            return await work
+        cadence = asyncio.ensure_future(self.cadence())
+        try:
+            await asyncio.wait({work, cadence}, return_when=asyncio.FIRST_COMPLETED)
+            if cadence.done():
+                cadence.result()
+            return work.result()
+        finally:
+            cadence.cancel()
+            await asyncio.gather(cadence, return_exceptions=True)
+
+    async def counted(self, reason: str) -> dict | None:
+        """One attempt, counted with every other: a failure is logged and returns None until
+        max_consecutive_failures fail in a row, which raises CheckpointWriteError."""
+        try:
+            metrics = await self.attempt(reason)
+        except Exception as err:
+            self.failures_in_a_row += 1
+            limit = self.cfg.rollout_checkpointing.max_consecutive_failures
+            why = one_line(err)
+            log.warning("rollout checkpoint failed (%d in a row): %s", self.failures_in_a_row, why)
+            self._log({"checkpoint": None, "reason": reason, "step": self.state.step,
+                       "failed": why, "failures_in_a_row": self.failures_in_a_row})  # fmt: skip
+            if self.failures_in_a_row >= limit:
+                raise CheckpointWriteError(
+                    f"{self.failures_in_a_row} rollout checkpoint attempts failed in a row "
+                    f"(rollout_checkpointing.max_consecutive_failures={limit}); the last: {why}. "
+                    "Fix the checkpoint location (space, permissions, reachability), then "
+                    "continue with `train --restore`"
+                ) from None
+            return None
+        self.failures_in_a_row = 0
+        return metrics
+
+    def ledger(self, reason: str, records: CheckpointRecords) -> Ledger:
+        return Ledger(
+            step=self.state.step,
+            weight_version=self.state.weight_version,
+            reason=reason,
+            level=self.cfg.rollout_recovery.target_level,
+            model=self.state.served_model(),
+            episodes=records.episodes,
+            continuations=records.continuations,
+        )
+
+    async def attempt(self, reason: str) -> dict:
+        """One checkpoint attempt; returns its metrics (also appended to the checkpoint log)."""
+        t0 = time.monotonic()
+        epoch = next(self.epochs)
+        timeout = self.cfg.rollout_checkpointing.attempt_timeout_s
+        lease_s = max(self.cfg.token_capture.control_timeout_s * 3, timeout + 5)
+        ckpt_id = f"ckpt-{self.state.step}-{epoch}"
+        fenced = self.workers if self.cfg.token_capture.enabled else WorkerPool([])
+        gate = PublishGate()
+
+        async def steps():
+            await fenced.begin_fences(epoch, lease_s)
+            cuts = await self.env.prepare(ckpt_id, lease_s)
+            records = await self.env.commit(ckpt_id)
+            s0 = time.monotonic()
+            snap = await self.store.asnapshot(
+                self.snapshot_root,
+                meta={"trainer_step": str(self.state.step), "reason": reason},
+                sidecars={LEDGER: self.ledger(reason, records).to_json()},
+                deadline=t0 + timeout,
+                gate=gate,
+            )
+            cuts |= {"chunk_rows_swept": records.chunk_rows_swept}
+            return cuts, records, snap, time.monotonic() - s0
+
+        try:
+            cuts, records, snap, snapshot_s = await asyncio.wait_for(steps(), timeout)
+        except Exception as err:
+            self.metrics.add("checkpoint_failures")
+            late = not gate.abort()  # False: it was published before the abort landed
+            if isinstance(err, TimeoutError):
+                outcome = "it was published just before the abort" if late else (
+                    "aborted, nothing published")  # fmt: skip
+                raise TimeoutError(
+                    f"checkpoint {ckpt_id} took longer than rollout_checkpointing."
+                    f"attempt_timeout_s={timeout}; {outcome}"
+                ) from None
+            raise
+        finally:
+            fence_s = time.monotonic() - t0
+            await self._release(ckpt_id, epoch, fenced)
+        StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
+        self.metrics.add("checkpoints")
+        self.metrics.add("fence_hold_s", fence_s)
+        metrics = {
+            "checkpoint": snap.uri, "reason": reason, "step": self.state.step,
+            "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,
+            "episodes_recorded": len(records.episodes), **cuts,
+        }  # fmt: skip
+        self._log(metrics)
+        return metrics
+
+    async def _release(self, ckpt_id: str, epoch: int, fenced: WorkerPool) -> None:
+        """Reopen admission and release every fence, whatever any one of them raises (a fence
+        left held would stop terminal rows and chunk deletes until its lease ran out)."""
+        reopened, released = await asyncio.gather(
+            self.env.resume(ckpt_id), fenced.end_fences(epoch), return_exceptions=True
+        )
+        failures = [("reopening admission", reopened)]
+        if isinstance(released, BaseException):
+            failures.append(("releasing the fences", released))
+        else:
+            failures += [(f"releasing worker {i}'s fence", r) for i, r in enumerate(released)]
+        for what, result in failures:
+            if isinstance(result, ProtocolError):
+                continue  # a lapsed lease already reopened admission
+            if isinstance(result, BaseException):
+                self.metrics.add("release_errors")
+                log.warning("checkpoint %s: %s failed: %s", ckpt_id, what, one_line(result))
+
+    def _log(self, record: dict) -> None:
+        try:
+            self.storage.append_line(CHECKPOINT_LOG, json.dumps(record))
+        except OSError as err:  # the log is a report; the checkpoint's fate is decided already
+            log.warning("cannot write %s: %s", CHECKPOINT_LOG, err)

@@ -1,0 +1,68 @@
+"""EnvironmentClient: the one client of the rollout environment actor.
+
+Every remote call to the `RolloutEnvironment` actor is made here. The calls a checkpoint or a
+run waits on are async (the controller awaits them on its loop); restore and reporting calls
+are synchronous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from rollout_recovery.config import EnvironmentActorConfig
+from rollout_recovery.environment.rollout_env import RolloutEnvironment
+from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.protocol import CheckpointRecords, EpisodeOutcome, EpisodeRecord
+from rollout_recovery.runtime import actor_class
+
+
+class EnvironmentClient:
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    @classmethod
+    def start(
+        cls, cfg: EnvironmentActorConfig, workers: WorkerPool, store, max_concurrency: int = 16
+    ) -> EnvironmentClient:
+        """Host a `RolloutEnvironment` as a threaded actor and wait until it is constructed."""
+        options = {"num_cpus": 0, "max_concurrency": max_concurrency}
+        client = cls(actor_class(RolloutEnvironment, **options).remote(cfg, workers, store))
+        client.counters()
+        return client
+
+    async def run_groups(
+        self,
+        groups: list[tuple[str, list[dict]]],
+        seeds: list[list[int]],
+        reward_fn: Callable[[str], float],
+        weight_version: int,
+    ) -> list[EpisodeOutcome]:
+        return await self.actor.run_groups.remote(groups, seeds, reward_fn, weight_version)
+
+    async def prepare(self, ckpt: str, lease_s: float) -> dict:
+        return await self.actor.prepare.remote(ckpt, lease_s)
+
+    async def commit(self, ckpt: str) -> CheckpointRecords:
+        return await self.actor.commit.remote(ckpt)
+
+    async def resume(self, ckpt: str) -> None:
+        await self.actor.resume.remote(ckpt)
+
+    def begin_restore(self, restore_id: str) -> None:
+        ray.get(self.actor.begin_restore.remote(restore_id))
+
+    def end_restore(self, restore_id: str, records: list[EpisodeRecord]) -> int:
+        return ray.get(self.actor.end_restore.remote(restore_id, records))
+
+    def counters(self) -> dict[str, int]:
+        return ray.get(self.actor.counters.remote())
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Close the environment's clients, then kill the actor (even if closing failed)."""
+        try:
+            ray.get(self.actor.close.remote(), timeout=timeout_s)
+        finally:
+            ray.kill(self.actor)
