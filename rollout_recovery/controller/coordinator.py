@@ -1,5 +1,5 @@
 """The checkpoint coordinator: the cadence, one checkpoint attempt, its ledger, retention and
-the checkpoint log (DESIGN.md §4).
+the checkpoint log (docs/design.md §4).
 
 One attempt: fence every worker (terminal rows and chunk deletes wait), prepare the
 environment (admission closed, in-flight calls cut), commit its episode records, snapshot the

@@ -11,6 +11,7 @@ themselves are in the data plane's `token_entries` partition, in the same snapsh
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Callable
@@ -112,6 +113,9 @@ class Episode:
         return [self.messages[t.request_messages].get("content") or "" for t in self.turns]
 
     def to_record(self) -> EpisodeRecord:
+        """The episode as it is now. Its messages and state are copied: the episode goes on
+        (a call in flight at the checkpoint finishes, its tool acts) while the record is
+        still on its way into the snapshot, which must hold this moment only."""
         turns = [
             TurnRef(
                 entry_id=t.entry.entry_id,
@@ -126,8 +130,8 @@ class Episode:
             generation_index=self.generation_index,
             seed=self.seed,
             attempt=self.attempt,
-            messages=self.messages,
-            state=self.state,
+            messages=copy.deepcopy(self.messages),
+            state=copy.deepcopy(self.state),
             turns=turns,
             continuation=self.continuation,
         )

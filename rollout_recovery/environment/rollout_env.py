@@ -1,5 +1,5 @@
 """RolloutEnvironment: the environment actor - episodes against the workers' OpenAI endpoints,
-and the environment's side of each checkpoint and restore (DESIGN.md §3-4).
+and the environment's side of each checkpoint and restore (docs/design.md §2, §4).
 
 The work itself is `EpisodeRunner`'s, on one private event loop that owns the HTTP connection
 pools. The public methods here are synchronous, so Ray hosts this class as a threaded actor

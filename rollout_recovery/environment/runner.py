@@ -1,5 +1,5 @@
 """EpisodeRunner: the environment's async work on its own loop - running episodes against the
-workers, and its side of the checkpoint protocol (DESIGN.md §3-4).
+workers, and its side of the checkpoint protocol (docs/design.md §2, §4).
 
 Episodes are single-turn GRPO prompts or multi-turn tool episodes (`environment.max_turns`).
 Every call goes through `ModelCallClient` (token capture, lineage, exact prefix supply), and a

@@ -2,7 +2,7 @@
 
 Each refusal has a name (counted in metrics). Settings whose state depends on the output
 tokens so far cannot be carried across a cut, because a resumed request sees the prefix as
-prompt (see ../shared/notes/vllm-0.32-internals.md §5).
+prompt (docs/design.md §8).
 """
 
 from __future__ import annotations

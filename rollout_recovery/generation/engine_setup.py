@@ -1,7 +1,7 @@
 """How a GenerationWorker's vLLM engine is configured: serve arguments and process environment.
 
 The determinism settings live here, in code, so that a developer's shell cannot change what
-the engine computes (DESIGN.md §6).
+the engine computes (docs/design.md §9).
 """
 
 from __future__ import annotations

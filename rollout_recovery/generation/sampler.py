@@ -3,7 +3,7 @@
 A generator-based sampler's next draw depends on every draw before it, so a call resumed from
 a k-token prefix cannot reproduce the uninterrupted tail. Here the noise for a token is a pure
 function of (seed, position, vocab index), so resubmitting `prompt + prefix` with the same seed
-yields the same tail and logprobs (DESIGN.md §5, notes/sampler-and-weight-push.md §A).
+yields the same tail and logprobs (docs/design.md §8).
 
 The hash is MRV2's `murmur3_hash32` and `murmur3_uniform32`
 (vllm/v1/worker/gpu/sample/gumbel.py), integer for integer, computed in int64 lanes with split

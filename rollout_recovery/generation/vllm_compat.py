@@ -1,8 +1,8 @@
 """Every read or write of vLLM state that is not public API is in this file.
 
 Upgrading vLLM starts here. Cutting and resuming in-flight calls needs vLLM 0.32's frontend
-state (the facts are in ../shared/notes/vllm-0.32-internals.md), none of which vLLM promises
-to keep, so all of it sits behind one gate and one table:
+state (what a resume needs: docs/design.md §8), none of which vLLM promises to keep, so all of
+it sits behind one gate and one table:
 
 - `check_supported()` is the one gate: the vLLM series this file was written against, and a
   Python with the GIL (progress reads copy vLLM's append-only lists outside the engine's

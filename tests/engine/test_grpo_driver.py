@@ -24,7 +24,14 @@ def test_grpo_driver_learns_the_toy_task_and_checkpoints(ray_session, tiny_cfg, 
     assert [h["weight_version"] for h in history] == list(range(1, 7))
     assert history[-1]["mean_reward"] > history[0]["mean_reward"] + 0.2
     lines = (tmp_path / "run" / "steps.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in lines] == list(range(1, 7))
+    steps = [json.loads(x) for x in lines]
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    # One vocabulary: the environment's capture counts and the workers' tallies reach the log.
+    assert all(s["capture.calls.total"] == 16 for s in steps)
+    assert all(s["worker_resumes_refused"] == 0 for s in steps)
+    assert sum(s.get("worker.terminal_rows", 0) for s in steps) > 0
+    workers = json.loads((tmp_path / "run" / "workers.json").read_text())
+    assert workers["metrics_url"].startswith("http://127.0.0.1:") and len(workers["workers"]) == 1
     meta = json.loads((tmp_path / "run" / "trainer" / "step-000006" / "meta.json").read_text())
     assert meta["extra"] == {"step": 6, "data_cursor": 6}
     root = str(tmp_path / "run" / "data_plane")

@@ -116,3 +116,13 @@ def test_turn_seeds_are_distinct_and_turn_0_keeps_the_episode_seed():
     seeds = [call_seed(1234, t) for t in range(4)]
     assert seeds[0] == 1234 and len(set(seeds)) == 4
     assert seeds == [call_seed(1234, t) for t in range(4)] and all(0 <= s < 2**56 for s in seeds)
+
+
+def test_a_record_keeps_the_moment_it_was_taken_while_the_episode_goes_on():
+    """The call in flight at a checkpoint finishes and its tool acts while the record is on
+    its way into the snapshot: the record must not see that turn's effect."""
+    ep = _episode()
+    record = ep.to_record()
+    TallyTool().apply(ep.state, 1, "42")
+    ep.messages.append({"role": "tool", "content": "later"})
+    assert record.state == {"tally": 2, "effects": [0]} and len(record.messages) == 4
