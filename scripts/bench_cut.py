@@ -342,10 +342,7 @@ async def bench_decode(args) -> dict:
             gc.collect()
             rounds.append(await run_round(f"r{k}", on))
     finally:
-        handler = getattr(engine, "output_handler", None)
-        if handler is not None and not handler.done():
-            handler.cancel()
-            await asyncio.gather(handler, return_exceptions=True)
+        await vllm_compat.cancel_output_handler(engine)
         engine.shutdown(timeout=30)
         engine = None  # let AsyncLLM.__del__ run now, not during interpreter teardown
         gc.collect()
