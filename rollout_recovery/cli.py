@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import textwrap
@@ -220,6 +221,159 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    """Rows padded into columns; the columns in `right` are numbers, right-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+
+
+def _rows_text(rows: dict[str, int]) -> str:
+    return " ".join(f"{p}={n}" for p, n in rows.items() if n) or "-"
+
+
+def _opt(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _cmd_snapshots_ls(args: argparse.Namespace) -> int:
+    from rollout_recovery.controller.inspection import list_snapshots
+
+    root, found = list_snapshots(args.target)
+    if args.json:
+        snaps = [s.model_dump(mode="json") for s in found]
+        print(json.dumps({"root": root, "snapshots": snaps}, indent=1))
+        return 0
+    header = ["NAME", "STATUS", "STEP", "REASON", "LEVEL", "ROWS", "CONTINUATIONS", "BYTES"]
+    rows = [header] + [
+        [s.name, s.status, _opt(s.step), _opt(s.reason), _opt(s.level), _rows_text(s.rows),
+         _opt(s.continuations), str(s.bytes)]
+        for s in found
+    ]  # fmt: skip
+    print(f"snapshots under {root} (newest last)")
+    lines = _table(rows, right={2, 6, 7})
+    print(lines[0])
+    for line, snap in zip(lines[1:], found, strict=True):
+        print(line)
+        if snap.problem:
+            print(f"    {snap.problem}")
+    return 0
+
+
+def _cmd_snapshots_show(args: argparse.Namespace) -> int:
+    from rollout_recovery.controller.inspection import show_snapshot
+
+    d = show_snapshot(args.target, args.name)
+    if args.json:
+        print(d.model_dump_json(indent=1))
+        return 0
+    print(f"{d.name}  {d.status}" + (f": {d.problem}" if d.problem else ""))
+    print(f"  location      {d.location}")
+    print(f"  created       {_opt(d.created_at)}")
+    print(f"  step          {_opt(d.step)}   reason {_opt(d.reason)}   level {_opt(d.level)}")
+    print(f"  rows          {_rows_text(d.rows)}")
+    print(f"  bytes         {d.bytes} on disk, {_opt(d.payload_bytes)} of row data")
+    if d.meta:
+        print("  meta          " + " ".join(f"{k}={v}" for k, v in sorted(d.meta.items())))
+    print(f"files ({len(d.files)}):")
+    rows = [
+        [f.path, f.partition, f"shard {f.shard}", f"{f.rows} rows", f"{f.bytes} bytes",
+         f"sha256 {f.sha256}"]
+        if f.rows is not None
+        else [f.path, "", "", "", f"{f.bytes} bytes", "(not in a manifest)"]
+        for f in d.files
+    ]  # fmt: skip
+    for line in _table(rows, right={3, 4}) if rows else []:
+        print(f"  {line}")
+    print(f"sidecars ({len(d.sidecars)}):")
+    for s in d.sidecars:
+        print(f"  {s.name}  {s.bytes} bytes  sha256 {s.sha256}")
+    if d.ledger is None:
+        print("ledger: none readable" + (f" ({d.problem})" if d.problem else ""))
+        return 0
+    led, model = d.ledger, d.ledger.model
+    base_sha = str(model.base.get("sha256"))[:12]
+    print(f"ledger (format {led.format}):")
+    print(f"  model         {model.base.get('path')} (weights sha256 {base_sha})")
+    print(f"  served        weight version {model.weight_version}, weights sha256 "
+          f"{_opt(model.weights_sha256 and model.weights_sha256[:12])}")  # fmt: skip
+    print(f"  episodes      {led.episodes} unfinished, {led.turns} turns committed")
+    print(f"  continuations {len(led.continuations)}")
+    for c in led.continuations:
+        how = f"resumes from {c.tokens} tokens ({_opt(c.cut_kind)})" if c.cut else "decoded again"
+        print(f"    {c.rollout_id}  call {c.call_id} attempt {c.attempt}  {how}")
+    return 0
+
+
+def _cmd_snapshots_verify(args: argparse.Namespace) -> int:
+    from rollout_recovery.controller.inspection import verify_location
+
+    results = verify_location(args.target, args.name)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in results], indent=1))
+    else:
+        width = max(len(r.name) for r in results)
+        for r in results:
+            verdict = "ok" if r.ok else f"DAMAGED: {_opt(r.file)}: {r.reason}"
+            print(f"{r.name:<{width}}  {verdict}")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _add_snapshots_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "snapshots",
+        help="list, show or verify a run's data-plane snapshots (reads only; deletes nothing)",
+        description="Look at snapshots before trusting them. TARGET is a run's checkpoint "
+        "directory or URI (snapshots under its data_plane/), a snapshot root, or one "
+        "snapshot directory. Nothing is written or deleted. Exit status: 0 fine, 1 a "
+        "snapshot is damaged (verify) or the storage failed, 2 nothing there.",
+    )
+    snap = p.add_subparsers(dest="snapshots_command", required=True, metavar="ACTION")
+    target = "a run's checkpoint directory, a snapshot root, or a snapshot directory (path or URI)"
+    name = "a snapshot directory name under TARGET (snapshot-<seq>-<id>)"
+
+    q = snap.add_parser(
+        "ls",
+        help="one line per snapshot directory, newest last (manifest and ledger only; fast)",
+        description="List every snapshot directory, published or not, newest last: status, "
+        "step, reason, level, rows per partition, continuations, bytes. Reads manifests and "
+        "ledgers only, so a flipped byte in a data file shows up in `verify`, not here.",
+    )
+    q.add_argument("target", metavar="TARGET", help=target)
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q.set_defaults(func=_cmd_snapshots_ls)
+
+    q = snap.add_parser(
+        "show",
+        help="one snapshot in full: files, sidecars, model identity, episodes, continuations",
+        description="Describe one snapshot: what `ls` says plus its files (rows, bytes, sha256 "
+        "prefix), sidecars, the ledger's model identity and its episode records. Without "
+        "NAME, TARGET's newest snapshot directory.",
+    )
+    q.add_argument("target", metavar="TARGET", help=target)
+    q.add_argument("name", metavar="NAME", nargs="?", help=name)
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q.set_defaults(func=_cmd_snapshots_show)
+
+    q = snap.add_parser(
+        "verify",
+        help="read every byte of every published snapshot against its sha256",
+        description="Verify every published snapshot under TARGET (or NAME, or TARGET itself "
+        "when it is one snapshot): the manifest, every sidecar and every data file, read in "
+        "full. One line per snapshot, `ok` or `DAMAGED: <file>: <reason>`; exit status 1 when "
+        "any is damaged. Nothing is modified or deleted.",
+    )
+    q.add_argument("target", metavar="TARGET", help=target)
+    q.add_argument("name", metavar="NAME", nargs="?", help=name)
+    q.add_argument("--json", action="store_true", help="print JSON")
+    q.set_defaults(func=_cmd_snapshots_verify)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rollout-recovery",
@@ -287,13 +441,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_ray_args(p)
     p.set_defaults(func=_cmd_serve)
+
+    _add_snapshots_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Expected failures end in one line naming the cause and the fix: a configuration error
-    exits 2; a refused restore, an existing run, a failed checkpoint write or an unusable
-    checkpoint location exit 1. Nothing is deleted on any of them."""
+    or nothing to inspect exits 2; a refused restore, an existing run, a failed checkpoint
+    write or an unusable checkpoint location exit 1. Nothing is deleted on any of them."""
+    from rollout_recovery.controller.inspection import InspectionError
     from rollout_recovery.errors import RecoveryError
     from rollout_recovery.storage import StorageError
     from rollout_recovery.training.checkpoint import TrainerCheckpointError
@@ -301,12 +458,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, InspectionError) as err:
         print(f"rollout-recovery: {err}", file=sys.stderr)
         return 2
     except (RecoveryError, StorageError, TrainerCheckpointError) as err:
         print(f"rollout-recovery: {' '.join(str(err).split())}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # Output piped into `head` and cut short: not an error (no traceback, as other tools).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 
 from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
 from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
@@ -130,8 +131,11 @@ class StoreShard:
 
     # ------------------------------------------------------------------ snapshots
 
-    async def snapshot(self, snapshot_dir_uri: str) -> tuple[list[FileEntry], list[LeaseEntry]]:
-        """Capture this shard atomically, then write its files off the event loop."""
+    async def snapshot(
+        self, snapshot_dir_uri: str, filesystem: pafs.FileSystem | None = None
+    ) -> tuple[list[FileEntry], list[LeaseEntry]]:
+        """Capture this shard atomically, then write its files off the event loop (through
+        `filesystem` when given instead of the URI's own)."""
         self._expire()
         captured = [p.capture() for p in self.partitions.values()]
         leases = [
@@ -146,13 +150,20 @@ class StoreShard:
             if le.keys
         ]
         loop = asyncio.get_running_loop()
-        files = await loop.run_in_executor(None, self._write_files, snapshot_dir_uri, captured)
+        files = await loop.run_in_executor(
+            None, self._write_files, snapshot_dir_uri, captured, filesystem
+        )
         return files, leases
 
-    def _write_files(self, snapshot_dir_uri: str, captured: list[CapturedPartition]):
+    def _write_files(
+        self,
+        snapshot_dir_uri: str,
+        captured: list[CapturedPartition],
+        filesystem: pafs.FileSystem | None = None,
+    ):
         """Write each partition as segments of <= SEGMENT_BYTES, several at a time, so that
         writing and hashing (and later verifying) use every core."""
-        fs, root = resolve(snapshot_dir_uri)
+        fs, root = resolve(snapshot_dir_uri, filesystem)
         sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
         jobs = []
         for cap in captured:
@@ -185,18 +196,28 @@ class StoreShard:
         return list(_io_pool().map(write, jobs))
 
     async def restore_prepare(
-        self, snapshot_dir_uri: str, files: list[FileEntry], num_shards_written: int
+        self,
+        snapshot_dir_uri: str,
+        files: list[FileEntry],
+        num_shards_written: int,
+        filesystem: pafs.FileSystem | None = None,
     ) -> int:
         """Read and verify this shard's rows from a snapshot, staged until commit."""
         loop = asyncio.get_running_loop()
         staged = await loop.run_in_executor(
-            None, self._read_files, snapshot_dir_uri, files, num_shards_written
+            None, self._read_files, snapshot_dir_uri, files, num_shards_written, filesystem
         )
         self._pending_restore = staged
         return sum(t.num_rows for t in staged.values())
 
-    def _read_files(self, snapshot_dir_uri: str, files: list[FileEntry], num_shards_written: int):
-        fs, root = resolve(snapshot_dir_uri)
+    def _read_files(
+        self,
+        snapshot_dir_uri: str,
+        files: list[FileEntry],
+        num_shards_written: int,
+        filesystem: pafs.FileSystem | None = None,
+    ):
+        fs, root = resolve(snapshot_dir_uri, filesystem)
         tables: dict[str, list[pa.Table]] = {name: [] for name in self.partitions}
         for entry in files:
             if entry.partition not in self.partitions:

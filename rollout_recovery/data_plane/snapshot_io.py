@@ -6,12 +6,17 @@ Layout under a root (a local path or a pyarrow.fs URI such as s3://bucket/prefix
     <root>/snapshot-<seq:010d>-<id>/sidecars/<name>                   small files (a ledger)
     <root>/snapshot-<seq:010d>-<id>/MANIFEST.json                     published last
 
-Durability: data files and sidecars are durable before the manifest is written (fsynced on
-local disks; an object-store PUT is durable on return).
+Durability order (docs/storage.md): each data file is fsynced, then its directory; each
+sidecar likewise; then the manifest is written under a temporary name and fsynced, the
+snapshot directory fsynced, the manifest moved into place, and the snapshot directory and the
+root fsynced. Every fsync goes through `sync_file` / `sync_dir`: os.fsync on a local disk, the
+handler's recorded fsync on a fault-injecting filesystem (rollout_recovery.faultfs), nothing
+on object stores (an upload is durable once its stream closes). An fsync error ends the
+attempt: it propagates, unretried.
 
 Publication: a snapshot exists only once its MANIFEST.json is in place. The manifest is
 written under a temporary name, then moved into place (an atomic rename locally, a single
-object on object stores), followed by directory fsyncs locally. That move and the fsyncs run
+object on object stores), followed by directory fsyncs. That move and the fsyncs run
 under the attempt's `PublishGate` lock, and only if the gate was not aborted and the attempt's
 deadline has not passed; so once `PublishGate.abort()` returns True the snapshot can never
 appear, and when it returns False it already has. Readers ignore directories without a
@@ -54,7 +59,7 @@ from rollout_recovery.protocol import ID_RE
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "rollout_recovery.snapshot/v1"
-_DIR_RE = re.compile(r"^snapshot-(\d{10})-([0-9a-f]{8})$")
+SNAPSHOT_DIR_RE = re.compile(r"^snapshot-(\d{10})-([0-9a-f]{8})$")
 _HASH_CHUNK = 8 << 20
 log = logging.getLogger("rollout_recovery")
 
@@ -170,14 +175,20 @@ class PublishGate:
             raise SnapshotAborted(f"snapshot {what} missed its deadline; it was not published")
 
 
-def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path) for a local path or a pyarrow.fs URI (query options allowed)."""
+def resolve(uri: str, filesystem: pafs.FileSystem | None = None) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) for a local path or a pyarrow.fs URI (query options allowed).
+
+    A given `filesystem` replaces the URI's own for the same path, so that tests can put a
+    fault-injecting filesystem in front of the real one.
+    """
     if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, ValueError, OSError) as err:
-        raise SnapshotError(f"cannot open {uri!r}: {err}") from None
+        fs, path = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+    else:
+        try:
+            fs, path = pafs.FileSystem.from_uri(uri)
+        except (pa.ArrowInvalid, ValueError, OSError) as err:
+            raise SnapshotError(f"cannot open {uri!r}: {err}") from None
+    return (fs if filesystem is None else filesystem), path
 
 
 def join(base: str, *parts: str) -> str:
@@ -204,6 +215,38 @@ def _fsync_path(path: str, directory: bool = False) -> None:
         os.close(fd)
 
 
+def _sync(fs: pafs.FileSystem, path: str, directory: bool) -> None:
+    """The one fsync seam: a handler that models durability (faultfs) records it, a local disk
+    runs it, an object store needs none (an upload is durable once its stream closes)."""
+    handler_fsync = getattr(getattr(fs, "handler", None), "fsync", None)
+    if handler_fsync is not None:
+        handler_fsync(path, directory)
+    elif _is_local(fs):
+        _fsync_path(path, directory)
+
+
+def sync_file(fs: pafs.FileSystem, path: str) -> None:
+    """Make a closed file's bytes durable; an error ends the snapshot attempt."""
+    _sync(fs, path, directory=False)
+
+
+def sync_dir(fs: pafs.FileSystem, path: str) -> None:
+    """Make the names in a directory (creates, renames) durable."""
+    _sync(fs, path, directory=True)
+
+
+def _make_dirs(fs: pafs.FileSystem, path: str) -> None:
+    """Create `path` and any missing ancestors, each one's name made durable in its parent."""
+    missing = []
+    while path and fs.get_file_info(path).type == pafs.FileType.NotFound:
+        missing.append(path)
+        path = path.rsplit("/", 1)[0] if "/" in path.strip("/") else ""
+    for new in reversed(missing):
+        fs.create_dir(new, recursive=True)
+        if "/" in new.strip("/"):
+            sync_dir(fs, new.rsplit("/", 1)[0])
+
+
 def _sha256_of_file(path: str) -> str:
     with pa.memory_map(path) as mm:
         return hashlib.sha256(mm.read_buffer()).hexdigest()
@@ -214,9 +257,11 @@ def write_table_checksummed(fs: pafs.FileSystem, path: str, table: pa.Table) -> 
 
     Local disks: the IPC writer streams the table's buffers straight to the file (no
     serialised copy), then the file is hashed from the page cache while fsync runs. Other
-    filesystems: serialise once, hash, upload (an object store PUT is durable on return).
+    filesystems: serialise once, hash, upload. Either way the file, then its directory, is
+    synced before this returns.
     """
-    fs.create_dir(path.rsplit("/", 1)[0], recursive=True)
+    parent = path.rsplit("/", 1)[0]
+    fs.create_dir(parent, recursive=True)
     if not _is_local(fs):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as writer:
@@ -224,14 +269,19 @@ def write_table_checksummed(fs: pafs.FileSystem, path: str, table: pa.Table) -> 
         data = sink.getvalue()
         with fs.open_output_stream(path) as out:
             out.write(data)
+        sync_file(fs, path)
+        sync_dir(fs, parent)
         return hashlib.sha256(data).hexdigest(), data.size
     with fs.open_output_stream(path) as out, pa.ipc.new_file(out, table.schema) as writer:
         writer.write_table(table)
     digest: list[str] = []
     hasher = threading.Thread(target=lambda: digest.append(_sha256_of_file(path)))
     hasher.start()
-    _fsync_path(path)
-    hasher.join()
+    try:
+        sync_file(fs, path)
+    finally:
+        hasher.join()
+    sync_dir(fs, parent)
     return digest[0], os.path.getsize(path)
 
 
@@ -271,9 +321,8 @@ def write_sidecar(fs: pafs.FileSystem, snapshot_dir: str, name: str, data: bytes
     fs.create_dir(join(snapshot_dir, "sidecars"), recursive=True)
     with fs.open_output_stream(path) as out:
         out.write(data)
-    if _is_local(fs):
-        _fsync_path(path)
-        _fsync_path(join(snapshot_dir, "sidecars"), directory=True)
+    sync_file(fs, path)
+    sync_dir(fs, join(snapshot_dir, "sidecars"))
     return SidecarEntry(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
@@ -302,8 +351,10 @@ def publish_manifest(
     deadline: float | None = None,
 ) -> Manifest:
     """Publish a snapshot whose files are all durable: write the manifest under a temporary
-    name, then move it into place under `gate` (see the module docstring). The temporary
-    write stays outside the gate so that `abort()` waits for at most one move.
+    name and sync it and the directory (every name the manifest lists is then durable), then
+    move it into place under `gate` and sync the directory and the root (see the module
+    docstring). The temporary write stays outside the gate so that `abort()` waits for at
+    most one move and its syncs.
 
     Raises SnapshotAborted, publishing nothing, when the gate was aborted or `deadline` passed;
     the temporary file is invisible to readers and goes with its directory in `gc`.
@@ -312,14 +363,13 @@ def publish_manifest(
     tmp = join(snapshot_dir, f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:8]}")
     with fs.open_output_stream(tmp) as out:
         out.write(manifest.model_dump_json(indent=1).encode())
-    if _is_local(fs):
-        _fsync_path(tmp)
+    sync_file(fs, tmp)
+    sync_dir(fs, snapshot_dir)
     with (gate or PublishGate()).publishing(snapshot_dir, deadline) as published:
         fs.move(tmp, join(snapshot_dir, MANIFEST_NAME))
         published()
-        if _is_local(fs):
-            _fsync_path(snapshot_dir, directory=True)
-            _fsync_path(os.path.dirname(snapshot_dir), directory=True)
+        sync_dir(fs, snapshot_dir)
+        sync_dir(fs, snapshot_dir.rstrip("/").rsplit("/", 1)[0])
     return manifest
 
 
@@ -441,7 +491,7 @@ def _list_snapshot_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str, 
         raise SnapshotError(f"cannot list {root}: {err}") from None
     out = []
     for info in infos:
-        m = _DIR_RE.match(info.base_name)
+        m = SNAPSHOT_DIR_RE.match(info.base_name)
         if info.type != pafs.FileType.Directory or not m:
             continue
         manifest = fs.get_file_info(join(info.path, MANIFEST_NAME))
@@ -450,9 +500,12 @@ def _list_snapshot_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str, 
 
 
 def new_snapshot_dir(fs: pafs.FileSystem, root: str) -> tuple[int, str]:
+    """A new, empty snapshot directory under root (created durably if it is new); its own
+    name becomes durable when it is published."""
     dirs = _list_snapshot_dirs(fs, root)
     seq = (dirs[-1][0] + 1) if dirs else 1
     path = join(root, f"snapshot-{seq:010d}-{uuid.uuid4().hex[:8]}")
+    _make_dirs(fs, root.rstrip("/"))
     fs.create_dir(path, recursive=True)
     return seq, path
 
@@ -462,16 +515,16 @@ def latest_published(fs: pafs.FileSystem, root: str) -> str | None:
     return published[-1] if published else None
 
 
-def latest_uri(root_uri: str) -> str | None:
+def latest_uri(root_uri: str, filesystem: pafs.FileSystem | None = None) -> str | None:
     """URI of the newest published snapshot under root_uri, or None."""
-    fs, root = resolve(root_uri)
+    fs, root = resolve(root_uri, filesystem)
     found = latest_published(fs, root)
     return None if found is None else child_uri(root_uri, found.rstrip("/").rsplit("/", 1)[-1])
 
 
-def published_uris(root_uri: str) -> list[str]:
+def published_uris(root_uri: str, filesystem: pafs.FileSystem | None = None) -> list[str]:
     """URIs of every published snapshot under root_uri, oldest first."""
-    fs, root = resolve(root_uri)
+    fs, root = resolve(root_uri, filesystem)
     return [
         child_uri(root_uri, d.rstrip("/").rsplit("/", 1)[-1])
         for _, d, ok in _list_snapshot_dirs(fs, root)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import ray
 
 from rollout_recovery.data_plane.errors import (
@@ -73,6 +74,11 @@ class LeaseResult:
 class SnapshotResult:
     uri: str
     manifest: Manifest
+
+
+def _resolve(uri: str, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
+    """`resolve`, with `filesystem` (when given) in place of the URI's own filesystem."""
+    return resolve(uri) if filesystem is None else resolve(uri, filesystem)
 
 
 def validate_key(key: str, limits: StoreLimits = StoreLimits()) -> None:
@@ -325,6 +331,7 @@ class StagingStore:
         sidecars: dict[str, bytes] | None = None,
         deadline: float | None = None,
         gate: PublishGate | None = None,
+        filesystem: pafs.FileSystem | None = None,
     ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
@@ -333,15 +340,17 @@ class StagingStore:
         in the manifest before it is published. The publish step runs under `gate` (one per
         attempt): once `gate.abort()` returned True, or past `deadline` (time.monotonic()),
         nothing is published and SnapshotAborted is raised; the unpublished directory is
-        garbage-collected later.
+        garbage-collected later. `filesystem`, when given, is used instead of the URI's own
+        (by the shards too; every method taking a URI accepts it), e.g. a fault-injecting one.
         """
         gate = gate or PublishGate()
-        fs, root = resolve(root_uri)
+        fs, root = _resolve(root_uri, filesystem)
         gate.check(f"under {root}", deadline)
         seq, path = new_snapshot_dir(fs, root)
         uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
         results = ray.get(
-            [s.snapshot.remote(uri) for s in self.shards], timeout=self._timeout(deadline)
+            [s.snapshot.remote(uri, filesystem) for s in self.shards],
+            timeout=self._timeout(deadline),
         )
         files = [f for fs_, _ in results for f in fs_]
         leases = [le for _, ls in results for le in ls]
@@ -368,34 +377,38 @@ class StagingStore:
         return left if self.timeout_s is None else min(self.timeout_s, left)
 
     @staticmethod
-    def manifest(snapshot_uri: str) -> Manifest:
+    def manifest(snapshot_uri: str, filesystem: pafs.FileSystem | None = None) -> Manifest:
         """The verified manifest of a published snapshot."""
-        fs, path = resolve(snapshot_uri)
+        fs, path = _resolve(snapshot_uri, filesystem)
         return read_manifest(fs, path)
 
     @staticmethod
-    def verify(snapshot_uri: str, use_cache: bool = True) -> Manifest:
+    def verify(
+        snapshot_uri: str, use_cache: bool = True, filesystem: pafs.FileSystem | None = None
+    ) -> Manifest:
         """The manifest of a snapshot whose every file matches it (hashed once per process,
         unless `use_cache=False`)."""
-        fs, path = resolve(snapshot_uri)
+        fs, path = _resolve(snapshot_uri, filesystem)
         return verify_snapshot(fs, path, use_cache)
 
     @staticmethod
-    def read_sidecar(snapshot_uri: str, name: str) -> bytes:
+    def read_sidecar(
+        snapshot_uri: str, name: str, filesystem: pafs.FileSystem | None = None
+    ) -> bytes:
         """A verified sidecar of a published snapshot."""
-        fs, path = resolve(snapshot_uri)
+        fs, path = _resolve(snapshot_uri, filesystem)
         manifest = read_manifest(fs, path)
         for entry in manifest.body.sidecars:
             if entry.name == name:
                 return read_sidecar(fs, path, entry)
         raise SnapshotCorruptError(f"snapshot {snapshot_uri} has no sidecar {name!r}")
 
-    def restore(self, snapshot_uri: str) -> Manifest:
+    def restore(self, snapshot_uri: str, filesystem: pafs.FileSystem | None = None) -> Manifest:
         """Replace the store's contents with a verified snapshot; a bad one changes nothing.
 
         Leases are not restored: rows leased but unacked at snapshot time are delivered again.
         """
-        fs, path = resolve(snapshot_uri)
+        fs, path = _resolve(snapshot_uri, filesystem)
         manifest = read_manifest(fs, path)
         body = manifest.body
         for pname, kind in body.partitions.items():
@@ -411,7 +424,7 @@ class StagingStore:
         else:
             per_shard = [list(body.files) for _ in self.shards]
         refs = [
-            s.restore_prepare.remote(snapshot_uri, files, body.num_shards)
+            s.restore_prepare.remote(snapshot_uri, files, body.num_shards, filesystem)
             for s, files in zip(self.shards, per_shard, strict=True)
         ]
         try:
@@ -432,6 +445,7 @@ class StagingStore:
         sidecars: dict[str, bytes] | None = None,
         deadline: float | None = None,
         gate: PublishGate | None = None,
+        filesystem: pafs.FileSystem | None = None,
     ) -> SnapshotResult:
         """`snapshot` in a thread. Cancelling this coroutine (e.g. `asyncio.wait_for` timing
         out) aborts the publication, since the thread itself cannot be stopped; a caller that
@@ -439,22 +453,28 @@ class StagingStore:
         `gate.abort()`."""
         gate = gate or PublishGate()
         try:
-            return await asyncio.to_thread(self.snapshot, root_uri, meta, sidecars, deadline, gate)
+            return await asyncio.to_thread(
+                self.snapshot, root_uri, meta, sidecars, deadline, gate, filesystem
+            )
         except asyncio.CancelledError:
             gate.abort()
             raise
 
-    async def arestore(self, snapshot_uri: str) -> Manifest:
-        return await asyncio.to_thread(self.restore, snapshot_uri)
+    async def arestore(
+        self, snapshot_uri: str, filesystem: pafs.FileSystem | None = None
+    ) -> Manifest:
+        return await asyncio.to_thread(self.restore, snapshot_uri, filesystem)
 
     @staticmethod
-    def latest(root_uri: str) -> str | None:
+    def latest(root_uri: str, filesystem: pafs.FileSystem | None = None) -> str | None:
         """URI of the newest published snapshot under root_uri (unpublished ones are ignored)."""
-        return latest_uri(root_uri)
+        return latest_uri(root_uri, filesystem)
 
     @staticmethod
-    def gc(root_uri: str, keep_latest_k: int) -> list[str]:
+    def gc(
+        root_uri: str, keep_latest_k: int, filesystem: pafs.FileSystem | None = None
+    ) -> list[str]:
         """Keep the newest keep_latest_k snapshots that verify; delete only directories older
         than the oldest of them (see snapshot_io.gc)."""
-        fs, root = resolve(root_uri)
+        fs, root = _resolve(root_uri, filesystem)
         return gc(fs, root, keep_latest_k)

@@ -3,7 +3,9 @@ be checked for tearing by recomputing it."""
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -83,3 +85,25 @@ def by_key(table: pa.Table) -> pa.Table:
     import pyarrow.compute as pc
 
     return table.take(pc.sort_indices(table, [("key", "ascending")]))
+
+
+@contextlib.contextmanager
+def local_s3(bucket: str, prefix: str) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 for the block; yields `s3://bucket/prefix` with the
+    credentials and endpoint options pyarrow needs (the bucket is created on first write)."""
+    import logging
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield (f"s3://testing:testing@{bucket}/{prefix}?endpoint_override=127.0.0.1:{port}"
+               "&scheme=http&region=us-east-1&allow_bucket_creation=true")  # fmt: skip
+    finally:
+        server.stop()

@@ -6,26 +6,15 @@ from __future__ import annotations
 import pytest
 
 from rollout_recovery.storage import RunStorage, StorageError
+from tests.cluster.store_helpers import local_s3
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture(scope="module")
 def s3_uri():
-    import logging
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield (f"s3://testing:testing@rr-storage/runs/a?endpoint_override=127.0.0.1:{port}"
-           "&scheme=http&region=us-east-1&allow_bucket_creation=true")  # fmt: skip
-    server.stop()
+    with local_s3("rr-storage", "runs/a") as uri:
+        yield uri
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -27,7 +27,13 @@ from rollout_recovery.data_plane import (
     UnknownPartitionError,
 )
 from rollout_recovery.data_plane.snapshot_io import MANIFEST_NAME
-from tests.cluster.store_helpers import assert_rows_intact, by_key, chunk_table, replay_table
+from tests.cluster.store_helpers import (
+    assert_rows_intact,
+    by_key,
+    chunk_table,
+    local_s3,
+    replay_table,
+)
 
 pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
@@ -404,20 +410,8 @@ async def test_async_api(make_store, tmp_path):
 
 @pytest.fixture(scope="module")
 def s3_root():
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    yield (
-        f"s3://testing:testing@rr-test/snaps?endpoint_override=127.0.0.1:{port}"
-        "&scheme=http&region=us-east-1&allow_bucket_creation=true"
-    )
-    server.stop()
+    with local_s3("rr-test", "snaps") as uri:
+        yield uri
 
 
 def test_s3_snapshot_latest_and_restore(make_store, s3_root):

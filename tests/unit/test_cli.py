@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -126,3 +127,59 @@ def test_config_explain_works_outside_the_repository(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("grpo.steps\n  type: int\n")
+
+
+@pytest.mark.parametrize("action", ["ls", "show", "verify"])
+def test_snapshots_help_exits_zero(action):
+    assert "snapshots" in build_parser().format_help()
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_recovery.cli", "snapshots", action, "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"usage: rollout-recovery snapshots {action}")
+
+
+@pytest.mark.parametrize("action", ["ls", "show", "verify"])
+def test_snapshots_with_nothing_there_is_one_line_and_exit_2(tmp_path, capsys, action):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    for target, said in [
+        (tmp_path / "missing", "nothing at"),
+        (tmp_path / "a-file", "is a file"),
+        (tmp_path / "empty", "no snapshots under"),
+        ("foo://bucket/run", "unknown storage scheme `foo://`"),
+    ]:
+        assert main(["snapshots", action, str(target)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+        assert captured.err.startswith("rollout-recovery: ") and said in captured.err
+
+
+def test_snapshots_of_an_unpublished_directory(tmp_path, capsys):
+    """A directory without a manifest is listed and shown, but there is nothing to verify."""
+    snap = tmp_path / "run" / "data_plane" / "snapshot-0000000001-0badf00d"
+    (snap / "shard-000").mkdir(parents=True)
+    (snap / "shard-000" / "replay.0000.arrow").write_bytes(b"12345")
+    assert main(["snapshots", "ls", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.splitlines()[2].split() == [
+        snap.name, "unpublished", "-", "-", "-", "-", "-", "5",
+    ]  # fmt: skip
+    assert main(["snapshots", "show", str(snap), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["status"] == "unpublished" and shown["files"][0]["bytes"] == 5
+    assert main(["snapshots", "verify", str(snap)]) == 2
+    assert "is not published (no MANIFEST.json); nothing to verify" in capsys.readouterr().err
+    assert main(["snapshots", "show", str(tmp_path / "run"), "snapshot-0000000009-00000000"]) == 2
+    assert "no snapshot snapshot-0000000009-00000000 under" in capsys.readouterr().err
+    assert (snap / "shard-000" / "replay.0000.arrow").read_bytes() == b"12345"
+
+
+def test_snapshots_at_an_unreachable_uri_is_the_one_line_storage_error(capsys):
+    uri = "s3://user:secret@bucket/run?endpoint_override=127.0.0.1:1&scheme=http&region=us-east-1"
+    assert main(["snapshots", "ls", uri]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("rollout-recovery: cannot read s3://bucket/run")
+    assert "secret" not in err

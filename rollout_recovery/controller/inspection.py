@@ -1,0 +1,431 @@
+"""Looking at a run's snapshots before trusting one: list them, describe one, verify them.
+
+These are what `rollout-recovery snapshots ls|show|verify` print. They read files and nothing
+else (no Ray, no store, no model), and they never write, move or delete anything, so they are
+safe to run beside a live run or on a crashed run's location before deciding to restore it.
+
+A location is a run's checkpoint directory (snapshots under its `data_plane/`), a snapshot
+root, or one snapshot directory; local paths and pyarrow.fs URIs alike. Listing is cheap: one
+listing per snapshot directory plus its manifest and ledger, so it notices a torn or missing
+file from sizes alone but not a flipped byte; `verify_location` reads every byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+import pyarrow.fs as pafs
+from pydantic import BaseModel, ValidationError
+
+from rollout_recovery.config import STORAGE_SCHEMES
+from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
+from rollout_recovery.data_plane.errors import SnapshotError
+from rollout_recovery.data_plane.snapshot_io import (
+    MANIFEST_NAME,
+    SNAPSHOT_DIR_RE,
+    Manifest,
+    join,
+    read_manifest,
+    read_sidecar,
+    resolve,
+    verify_snapshot,
+)
+from rollout_recovery.errors import one_line
+from rollout_recovery.protocol import LEDGER_FORMAT, Ledger, ServedModel
+from rollout_recovery.storage import StorageError
+
+Status = Literal["published", "unpublished", "damaged"]
+_SHA_PREFIX = 12  # hex digits of a sha256 shown by `show`: enough to compare by eye
+_HASH_CHUNK = 8 << 20
+
+
+class InspectionError(ValueError):
+    """Nothing to inspect where the caller pointed (no snapshots, no such snapshot, a scheme
+    pyarrow.fs cannot open): a usage error, distinct from a storage failure."""
+
+
+class FileSummary(BaseModel):
+    """A file of a snapshot; partition, rows and sha256 are known only from a manifest."""
+
+    path: str  # relative to the snapshot directory
+    bytes: int
+    partition: str | None = None
+    shard: int | None = None
+    rows: int | None = None
+    sha256: str | None = None  # the manifest's, first `_SHA_PREFIX` hex digits
+
+
+class SidecarSummary(BaseModel):
+    name: str
+    bytes: int
+    sha256: str  # first `_SHA_PREFIX` hex digits
+
+
+class ContinuationSummary(BaseModel):
+    """How one in-flight call goes on after a restore: resumed from `tokens` staged tokens
+    (cut) or decoded again as the next attempt."""
+
+    rollout_id: str
+    call_id: str
+    attempt: int
+    cut: bool
+    tokens: int | None
+    cut_kind: str | None
+
+
+class LedgerSummary(BaseModel):
+    format: int
+    model: ServedModel
+    episodes: int
+    turns: int  # committed turns over all episode records
+    continuations: list[ContinuationSummary]
+
+
+class SnapshotSummary(BaseModel):
+    """One snapshot directory as `snapshots ls` shows it."""
+
+    name: str
+    location: str  # path or URI without credentials or options
+    seq: int
+    status: Status
+    problem: str | None = None  # why it is damaged, or why its ledger cannot be restored
+    created_at: str | None = None
+    step: int | None = None
+    reason: str | None = None
+    level: str | None = None
+    rows: dict[str, int] = {}  # partition -> rows
+    continuations: int | None = None  # calls in flight with a continuation in the ledger
+    bytes: int  # every file in the directory, manifest and sidecars included
+
+
+class SnapshotDetail(SnapshotSummary):
+    """One snapshot as `snapshots show` shows it."""
+
+    snapshot_id: str | None = None
+    num_shards: int | None = None
+    payload_bytes: int | None = None
+    meta: dict[str, str] = {}
+    files: list[FileSummary] = []
+    sidecars: list[SidecarSummary] = []
+    ledger: LedgerSummary | None = None
+
+
+class VerifyResult(BaseModel):
+    name: str
+    ok: bool
+    file: str | None = None  # the first damaged file, relative to the snapshot directory
+    reason: str | None = None
+
+
+@dataclass
+class _Location:
+    fs: pafs.FileSystem
+    root: str  # the snapshot root, as a path on fs
+    local: bool
+    scheme: str
+    only: str | None  # the target was this one snapshot directory
+
+    def display(self, *parts: str) -> str:
+        where = join(self.root, *parts) if parts else self.root
+        return where if self.local else f"{self.scheme}://{where}"
+
+
+def _redact(uri: str) -> str:
+    """A URI without credentials or query options, for messages."""
+    if "://" not in uri:
+        return uri
+    parts = urlsplit(uri)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+
+
+def _info(fs: pafs.FileSystem, path: str, shown: str) -> pafs.FileInfo:
+    try:
+        return fs.get_file_info(path)
+    except OSError as err:
+        raise StorageError(f"cannot read {shown}: {one_line(err)}") from None
+
+
+def _open(target: str, name: str | None = None) -> _Location:
+    """Where the snapshots are: the target itself, its `data_plane/`, or the target's parent
+    when the target is one snapshot directory; `name` picks one snapshot under the root."""
+    scheme, sep, _ = target.partition("://")
+    if sep and scheme not in STORAGE_SCHEMES:
+        accepted = ", ".join(f"{s}://" for s in STORAGE_SCHEMES)
+        raise InspectionError(
+            f"unknown storage scheme `{scheme}://`; give a local path or a URI starting with "
+            f"one of {accepted}"
+        )
+    try:
+        fs, path = resolve(target)
+    except SnapshotError as err:
+        raise StorageError(f"cannot open {_redact(target)}: {one_line(err)}") from None
+    path = path.rstrip("/") or "/"
+    loc = _Location(fs, path, isinstance(fs, pafs.LocalFileSystem), scheme, None)
+    info = _info(fs, path, loc.display())
+    if info.type == pafs.FileType.NotFound:
+        raise InspectionError(f"nothing at {loc.display()}: no such directory")
+    if info.type != pafs.FileType.Directory:
+        raise InspectionError(
+            f"{loc.display()} is a file; give a run's checkpoint directory, a snapshot root "
+            "or a snapshot directory"
+        )
+    parent, _, base = path.rpartition("/")
+    if SNAPSHOT_DIR_RE.match(base):
+        loc.root, loc.only = parent or "/", base
+    elif _info(fs, join(path, DATA_PLANE), loc.display()).type == pafs.FileType.Directory:
+        loc.root = join(path, DATA_PLANE)
+    if name is not None and loc.only is not None and name != loc.only:
+        raise InspectionError(f"{loc.display(loc.only)} is one snapshot; it holds no {name}")
+    if name is not None and not SNAPSHOT_DIR_RE.match(name):
+        raise InspectionError(f"{name!r} is not a snapshot name (snapshot-<seq>-<id>)")
+    loc.only = loc.only or name
+    return loc
+
+
+def _seq(name: str) -> int:
+    match = SNAPSHOT_DIR_RE.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def _listing(loc: _Location) -> dict[str, dict[str, int]]:
+    """Snapshot directory name -> {file path relative to it: bytes}, oldest first."""
+    try:
+        if loc.only is not None:
+            info = loc.fs.get_file_info(join(loc.root, loc.only))
+            if info.type != pafs.FileType.Directory:
+                raise InspectionError(f"no snapshot {loc.only} under {loc.display()}")
+            names = [loc.only]
+        else:
+            infos = loc.fs.get_file_info(pafs.FileSelector(loc.root, allow_not_found=True))
+            names = [
+                i.base_name
+                for i in infos
+                if i.type == pafs.FileType.Directory and SNAPSHOT_DIR_RE.match(i.base_name)
+            ]
+        out: dict[str, dict[str, int]] = {}
+        for name in sorted(names, key=lambda n: (_seq(n), n)):
+            base = join(loc.root, name)
+            selector = pafs.FileSelector(base, recursive=True, allow_not_found=True)
+            out[name] = {
+                i.path[len(base) + 1 :]: i.size
+                for i in loc.fs.get_file_info(selector)
+                if i.type == pafs.FileType.File
+            }
+    except OSError as err:
+        raise StorageError(f"cannot list {loc.display()}: {one_line(err)}") from None
+    if not out:
+        raise InspectionError(
+            f"no snapshots under {loc.display()} (nor under its {DATA_PLANE}/); give a run's "
+            "checkpoint directory, a snapshot root or a snapshot directory"
+        )
+    return out
+
+
+def _manifest_problem(err: SnapshotError, snapshot_dir: str) -> str:
+    """`read_manifest`'s reason without the directory (the caller names it) or pydantic's
+    boilerplate: `unreadable: ...`, `fails its sha256 check`, `has format ...`."""
+    text = one_line(err).split(" [type=", 1)[0]
+    for prefix in (f"{MANIFEST_NAME} in {snapshot_dir} ", f"{snapshot_dir} ", "is "):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def _missing_or_torn(manifest: Manifest, files: dict[str, int]) -> str | None:
+    """A listed file that is absent or of the wrong size, found from the listing alone."""
+    listed = [(f"sidecars/{s.name}", s.bytes) for s in manifest.body.sidecars]
+    listed += [(f.path, f.bytes) for f in manifest.body.files]
+    for path, size in listed:
+        if path not in files:
+            return f"{path}: missing"
+        if files[path] != size:
+            return f"{path}: has {files[path]} bytes, manifest says {size}"
+    return None
+
+
+def _ledger(loc: _Location, name: str, manifest: Manifest) -> tuple[Ledger | None, str | None]:
+    """(ledger, problem): the ledger when it is one this version restores; else why not.
+    A sidecar that fails its checksum raises SnapshotError (the snapshot is damaged)."""
+    entry = next((s for s in manifest.body.sidecars if s.name == LEDGER), None)
+    if entry is None:
+        return None, None  # a bare data-plane snapshot: nothing to restore episodes from
+    try:
+        raw = read_sidecar(loc.fs, join(loc.root, name), entry)
+    except SnapshotError:
+        raise SnapshotError(f"sidecars/{LEDGER}: fails its sha256 check") from None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None, f"its {LEDGER} is not JSON"
+    got = data.get("format") if isinstance(data, dict) else None
+    if got != LEDGER_FORMAT:
+        return None, f"its ledger has format {got!r}; this version restores format {LEDGER_FORMAT}"
+    try:
+        return Ledger.model_validate(data), None
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        return None, f"its ledger is malformed at `{where}`: {first['msg']}"
+
+
+def _read(
+    loc: _Location, name: str, files: dict[str, int]
+) -> tuple[SnapshotSummary, Manifest | None, Ledger | None]:
+    summary = SnapshotSummary(
+        name=name,
+        location=loc.display(name),
+        seq=_seq(name),
+        status="unpublished",
+        bytes=sum(files.values()),
+    )
+    if MANIFEST_NAME not in files:
+        return summary, None, None
+    path = join(loc.root, name)
+    try:
+        manifest = read_manifest(loc.fs, path)
+    except SnapshotError as err:
+        summary.status = "damaged"
+        summary.problem = f"{MANIFEST_NAME}: {_manifest_problem(err, path)}"
+        return summary, None, None
+    body = manifest.body
+    summary.status, summary.created_at = "published", body.created_at
+    summary.rows = dict.fromkeys(body.partitions, 0)
+    for f in body.files:
+        summary.rows[f.partition] = summary.rows.get(f.partition, 0) + f.rows
+    step = body.meta.get("trainer_step", "")
+    summary.step = int(step) if step.isdigit() else None
+    summary.reason = body.meta.get("reason")
+    ledger, damage = None, _missing_or_torn(manifest, files)
+    try:
+        ledger, summary.problem = _ledger(loc, name, manifest)
+    except SnapshotError as err:
+        damage = damage or one_line(err)
+    if damage is not None:
+        summary.status, summary.problem = "damaged", damage
+    if ledger is not None:
+        summary.step, summary.reason, summary.level = ledger.step, ledger.reason, ledger.level
+        summary.continuations = len(ledger.continuations)
+    return summary, manifest, ledger
+
+
+def list_snapshots(target: str) -> tuple[str, list[SnapshotSummary]]:
+    """(snapshot root for display, every snapshot directory under it, oldest first)."""
+    loc = _open(target)
+    found = _listing(loc)
+    return loc.display(), [_read(loc, name, files)[0] for name, files in found.items()]
+
+
+def _ledger_summary(ledger: Ledger) -> LedgerSummary:
+    return LedgerSummary(
+        format=ledger.format,
+        model=ledger.model,
+        episodes=len(ledger.episodes),
+        turns=sum(len(e.turns) for e in ledger.episodes),
+        continuations=[
+            ContinuationSummary(
+                rollout_id=rollout,
+                call_id=c.call_id,
+                attempt=c.attempt,
+                cut=c.cut,
+                tokens=c.tokens,
+                cut_kind=c.cut_kind,
+            )
+            for rollout, c in sorted(ledger.continuations.items())
+        ],
+    )
+
+
+def show_snapshot(target: str, name: str | None = None) -> SnapshotDetail:
+    """One snapshot in full: `name` under the target, the target itself when it is a snapshot
+    directory, else the newest snapshot directory (whatever its status, as `ls` ends with)."""
+    loc = _open(target, name)
+    name, files = next(reversed(_listing(loc).items()))
+    summary, manifest, ledger = _read(loc, name, files)
+    detail = SnapshotDetail(**summary.model_dump())
+    if manifest is None:
+        detail.files = [FileSummary(path=p, bytes=b) for p, b in sorted(files.items())]
+        return detail
+    body = manifest.body
+    detail.snapshot_id, detail.num_shards = body.snapshot_id, body.num_shards
+    detail.payload_bytes, detail.meta = body.payload_bytes, body.meta
+    detail.files = [
+        FileSummary(
+            path=f.path,
+            bytes=f.bytes,
+            partition=f.partition,
+            shard=f.shard,
+            rows=f.rows,
+            sha256=f.sha256[:_SHA_PREFIX],
+        )
+        for f in body.files
+    ]
+    detail.sidecars = [
+        SidecarSummary(name=s.name, bytes=s.bytes, sha256=s.sha256[:_SHA_PREFIX])
+        for s in body.sidecars
+    ]
+    detail.ledger = None if ledger is None else _ledger_summary(ledger)
+    return detail
+
+
+def _entry_problem(fs: pafs.FileSystem, path: str, size: int, sha256: str) -> str | None:
+    """Why a listed file does not match its manifest entry (every byte is read), or None."""
+    try:
+        info = fs.get_file_info(path)
+        if info.type != pafs.FileType.File:
+            return "missing"
+        if info.size != size:
+            return f"has {info.size} bytes, manifest says {size}"
+        hasher = hashlib.sha256()
+        with fs.open_input_stream(path) as f:
+            while chunk := f.read(_HASH_CHUNK):
+                hasher.update(chunk)
+    except OSError as err:
+        return f"cannot be read: {one_line(err)}"
+    return None if hasher.hexdigest() == sha256 else "fails its sha256 check"
+
+
+def _first_damage(fs: pafs.FileSystem, snapshot_dir: str) -> tuple[str, str] | None:
+    """(file, reason) of the first file that fails, in the order `verify_snapshot` checks."""
+    try:
+        body = read_manifest(fs, snapshot_dir).body
+    except SnapshotError as err:
+        return MANIFEST_NAME, _manifest_problem(err, snapshot_dir)
+    entries = [(f"sidecars/{s.name}", s.bytes, s.sha256) for s in body.sidecars]
+    entries += [(f.path, f.bytes, f.sha256) for f in body.files]
+    for path, size, sha256 in entries:
+        problem = _entry_problem(fs, join(snapshot_dir, path), size, sha256)
+        if problem is not None:
+            return path, problem
+    return None
+
+
+def verify_location(target: str, name: str | None = None) -> list[VerifyResult]:
+    """Verify every published snapshot under the target (or the one named), reading every
+    byte against its sha256 (`use_cache=False`: a success earlier in this process proves
+    nothing about the files now). Unpublished directories are not verified."""
+    loc = _open(target, name)
+    found = _listing(loc)
+    published = [n for n, files in found.items() if MANIFEST_NAME in files]
+    if not published and loc.only is not None:
+        raise InspectionError(
+            f"{loc.display(loc.only)} is not published (no {MANIFEST_NAME}); nothing to verify"
+        )
+    if not published:
+        raise InspectionError(
+            f"no published snapshot to verify under {loc.display()} ({len(found)} unpublished "
+            f"director{'y' if len(found) == 1 else 'ies'} without {MANIFEST_NAME})"
+        )
+    results = []
+    for snap in published:
+        path = join(loc.root, snap)
+        try:
+            verify_snapshot(loc.fs, path, use_cache=False)
+        except SnapshotError as err:
+            file, reason = _first_damage(loc.fs, path) or (None, one_line(err))
+            results.append(VerifyResult(name=snap, ok=False, file=file, reason=reason))
+            continue
+        results.append(VerifyResult(name=snap, ok=True))
+    return results
