@@ -61,7 +61,8 @@ Restorer = Callable[[str], Rows]
 # ---------------------------------------------------------------------------- rows and history
 
 
-def _tokens(key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+def key_tokens(key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and logprobs that are a pure function of the key (so tearing shows)."""
     rng = np.random.default_rng(zlib.crc32(key.encode()))
     return rng.integers(0, 50_000, n, dtype=np.int32), rng.standard_normal(n).astype(np.float32)
 
@@ -70,7 +71,7 @@ def replay_rows(keys: list[str], tokens: int = 8) -> pa.Table:
     """Replay rows whose content is a pure function of the key."""
     rows = []
     for i, k in enumerate(keys):
-        ids, lps = _tokens(k, tokens)
+        ids, lps = key_tokens(k, tokens)
         rows.append(
             ReplayRow(
                 key=k,
@@ -93,7 +94,7 @@ def chunk_rows(keys: list[str], tokens: int = 8) -> pa.Table:
     """Staged chunk rows whose content is a pure function of the key."""
     rows = []
     for k in keys:
-        ids, lps = _tokens(k, tokens)
+        ids, lps = key_tokens(k, tokens)
         rows.append(
             ChunkRow(
                 key=k,

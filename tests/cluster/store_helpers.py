@@ -4,69 +4,24 @@ be checked for tearing by recomputing it."""
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
 
+from rollout_recovery.campaign.snapshot_files import chunk_rows, key_tokens, replay_rows
 from rollout_recovery.data_plane.digest import token_digest
 from rollout_recovery.data_plane.schemas import (
-    ChunkRow,
-    ReplayRow,
-    chunk_rows_to_table,
     list_rows,
-    replay_rows_to_table,
 )
 
 
-def _tokens(key: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(zlib.crc32(key.encode()))
-    return rng.integers(0, 50_000, n, dtype=np.int32), rng.standard_normal(n).astype(np.float32)
-
-
 def chunk_table(keys: list[str], tokens: int = 64) -> pa.Table:
-    rows = []
-    for k in keys:
-        ids, lps = _tokens(k, tokens)
-        rows.append(
-            ChunkRow(
-                key=k,
-                rollout_id=k.split("/")[0],
-                model_call_id="call0",
-                attempt=0,
-                chunk_seq=0,
-                token_ids=ids,
-                logprobs=lps,
-                weight_version=1,
-                prev_len=0,
-                digest=token_digest(ids),
-                prompt_token_ids=ids[:4],
-            )
-        )
-    return chunk_rows_to_table(rows)
+    return chunk_rows(keys, tokens)
 
 
 def replay_table(keys: list[str], tokens: int = 64) -> pa.Table:
-    rows = []
-    for i, k in enumerate(keys):
-        ids, lps = _tokens(k, tokens)
-        rows.append(
-            ReplayRow(
-                key=k,
-                rollout_id=k,
-                group_id=f"g{i // 4}",
-                generation_index=i % 4,
-                prompt_len=4,
-                token_ids=ids,
-                loss_mask=np.ones(tokens, np.int8),
-                logprobs=lps,
-                reward=float(i),
-                weight_version_min=0,
-                weight_version_max=0,
-            )
-        )
-    return replay_rows_to_table(rows)
+    return replay_rows(keys, tokens)
 
 
 def assert_rows_intact(table: pa.Table) -> None:
@@ -75,7 +30,7 @@ def assert_rows_intact(table: pa.Table) -> None:
     toks = list_rows(table, "token_ids")
     digests = table.column("digest").to_pylist() if "digest" in table.column_names else None
     for i, k in enumerate(keys):
-        ids, _ = _tokens(k, len(toks[i]))
+        ids, _ = key_tokens(k, len(toks[i]))
         np.testing.assert_array_equal(toks[i], ids, err_msg=f"torn row {k}")
         if digests is not None:
             assert digests[i] == token_digest(toks[i]), k
