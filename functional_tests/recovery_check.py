@@ -22,11 +22,12 @@
    the same loss and reward (exactly), generation logprobs within thresholds, the episodes'
    final tool states (each effect once), every restored episode re-admitted once, the final
    trainer checkpoint byte-identical to the reference's, no superseded chunk keys left; and,
-   from the engines' own records (recovery_evidence.py): every cut call resumed by its
-   worker with exactly length - prefix tokens decoded, no committed turn decoded again, no
-   episode record refused. Per kill, the work lost to the crash is measured at the run's
-   level and at the coarser ones. Writes DIR/parity.json, prints a table, and exits
-   non-zero on any violation; each violation names its property in brackets.
+   from the engines' own records (rollout_recovery/campaign/engine_evidence.py): every cut
+   call resumed by its worker with exactly length - prefix tokens decoded, no committed turn
+   decoded again, no episode record refused. Per kill, the work lost to the crash is
+   measured at the run's level and at the coarser ones. Writes DIR/parity.json, prints a
+   table, and exits non-zero on any violation; each violation names its property in
+   brackets.
 
 `--from-kill DIR` copies DIR's reference and the state its last kill left (kept in
 DIR/saved/) and runs only the last phase; with `--fault NAME` (rollout_recovery/faults.py)
@@ -54,7 +55,16 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 CLI = [str(REPO / ".venv" / "bin" / "rollout-recovery"), "train"]
 
-import recovery_evidence as evidence  # noqa: E402
+from rollout_recovery.campaign import engine_evidence as evidence  # noqa: E402
+from rollout_recovery.campaign.crash_points import (  # noqa: E402
+    batch,
+    restore_events,
+    session_records,
+    snapshot_keys,
+    snapshot_name,
+    trainer_checkpoint_digest,
+    turn_lengths,
+)
 
 # Generation logprobs of a restored run against the reference, on CPU float32 (measured over
 # the functional runs, see the README): bit-identical where the resumed call's batch shape
@@ -250,22 +260,6 @@ def snapshot_time(uri: str) -> float:
     return datetime.fromisoformat(StagingStore.manifest(uri).body.created_at).timestamp()
 
 
-def session_records(run_dir: str) -> list[list[dict]]:
-    """Each phase's engine records (`call_attempts/<session>.jsonl`, oldest session first),
-    the last record of each call attempt."""
-    from rollout_recovery.storage import RunStorage
-
-    storage = RunStorage(run_dir)
-    out = []
-    for name in sorted(storage.list_dir("call_attempts")):
-        latest = {}
-        for line in storage.read_lines(f"call_attempts/{name}"):
-            r = json.loads(line)
-            latest[(r["rollout_id"], r["model_call_id"], r["attempt"])] = r
-        out.append(list(latest.values()))
-    return out
-
-
 def _signal_all(pgid: int | None, pids: set[int], sig: int) -> None:
     if pgid is not None:
         os.killpg(pgid, sig)
@@ -296,35 +290,6 @@ def steps(run_dir: str) -> dict[int, dict]:
         if "event" not in rec:
             out[rec["step"]] = rec  # the last record of a step wins (a restore redoes it)
     return out
-
-
-def restore_events(run_dir: str) -> list[dict]:
-    from rollout_recovery.storage import RunStorage
-
-    lines = RunStorage(run_dir).read_lines("steps.jsonl")
-    return [r for r in map(json.loads, lines) if r.get("event") == "restore"]
-
-
-def batch(run_dir: str, step: int):
-    import pyarrow as pa
-
-    from rollout_recovery.storage import RunStorage
-
-    data = RunStorage(run_dir).read_bytes(f"batches/step-{step:06d}.arrow")
-    return pa.ipc.open_file(pa.BufferReader(data)).read_all()
-
-
-def trainer_checkpoint_digest(run_dir: str, step: int) -> dict[str, str]:
-    """sha256 of the trainer checkpoint's state and meta (the step record beside them holds
-    timings and is not trainer state)."""
-    import hashlib
-
-    from rollout_recovery.storage import RunStorage
-
-    storage = RunStorage(run_dir)
-    where = f"trainer/step-{step:06d}"
-    return {name: hashlib.sha256(storage.read_bytes(f"{where}/{name}")).hexdigest()
-            for name in ("state.safetensors", "meta.json")}  # fmt: skip
 
 
 def _ranks(x):
@@ -358,30 +323,10 @@ def compare_batches(a, b) -> dict:
     return out
 
 
-def snapshot_keys(snapshot_uri: str, partition: str) -> set[str]:
-    from rollout_recovery.data_plane import StagingStore
-    from rollout_recovery.data_plane.snapshot_io import read_verified, resolve
-
-    fs, path = resolve(snapshot_uri)
-    keys: set[str] = set()
-    for entry in StagingStore.manifest(snapshot_uri).body.files:
-        if entry.partition == partition:
-            keys |= set(read_verified(fs, path, entry).column("key").to_pylist())
-    return keys
-
-
 def final_staging_keys(run_dir: str) -> set[str]:
     from rollout_recovery.data_plane.snapshot_io import published_uris
 
     return snapshot_keys(published_uris(child(run_dir, "data_plane"))[-1], "rollout_staging")
-
-
-def turn_lengths(loss_mask) -> list[int]:
-    """Generated tokens per turn: the lengths of the loss mask's runs of ones."""
-    import numpy as np
-
-    edges = np.flatnonzero(np.diff(np.r_[0, loss_mask, 0]) != 0)
-    return (edges[1::2] - edges[::2]).tolist()
 
 
 RESTORE_COUNTERS = ("restored_episodes", "restored_calls", "restored_prefix_tokens",
@@ -607,11 +552,6 @@ def verify_only(args) -> int:
     args.storage, args.reference_s = "local", saved["reference_s"]
     kills = json.loads((args.out / "kills.json").read_text())
     return report(args, saved["reference_dir"], saved["recovered_dir"], kills)
-
-
-def snapshot_name(uri: str) -> str:
-    """A snapshot's directory name (URIs differ between a run and its copies)."""
-    return uri.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:

@@ -19,6 +19,8 @@ Data flow of a step (each arrow a call across processes):
         -> EnvironmentClient.end_restore(ledger.episodes)
 
 Every snapshot's ledger records the model identity, so a restore can refuse another model.
+Snapshots are published as the controller's owner epoch (data_plane/ownership.py): once a newer
+controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and the run stops.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
 from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.metrics import RunMetrics
-from rollout_recovery.controller.selection import restore_snapshot
+from rollout_recovery.controller.selection import DATA_PLANE, restore_snapshot
 from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
+from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.errors import RestoreError
 from rollout_recovery.generation.pool import WorkerPool
@@ -57,8 +60,11 @@ class GroupResult:
 
 
 class RolloutRecovery:
-    def __init__(self, cfg: RolloutRecoveryConfig, ray_address: str = "local") -> None:
+    def __init__(
+        self, cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
+    ) -> None:
         self.cfg, self.ray_address = cfg, ray_address
+        self.owner = owner  # the claim on the snapshot root; claimed in `start` when None
         self.model_dir = resolve_model_path(cfg.policy.model_path)
         self.state = RunState(base_model_identity(cfg.policy.model_path, self.model_dir))
         self.storage = RunStorage(cfg.checkpointing.checkpoint_dir)
@@ -71,13 +77,16 @@ class RolloutRecovery:
         self.evidence: EvidenceLog | None = None
 
     def start(self) -> RolloutRecovery:
+        if self.owner is None:
+            self.owner = StagingStore.claim(self.storage.child_uri(DATA_PLANE))
         init_ray(self.ray_address, log_to_driver=False)
         self.store = StagingStore.create(num_shards=1)
         self.workers = WorkerPool.start(self.cfg, store=self.store)
         env_cfg, ckpt_cfg = self.cfg.environment_config(), self.cfg.checkpoint_config()
         self.env = EnvironmentClient.start(env_cfg, self.workers, self.store)
         self.coordinator = CheckpointCoordinator(ckpt_cfg, self.state, self.store, self.workers,
-                                                 self.env, self.storage, self.metrics)  # fmt: skip
+                                                 self.env, self.storage, self.metrics,
+                                                 self.owner)  # fmt: skip
         self.evidence = EvidenceLog(self.storage, self.workers)
         self.evidence.write_workers(self.metrics.serve(self.counters, self.cfg.vllm_cfg.host))
         return self
@@ -181,9 +190,17 @@ class RolloutRecovery:
         return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}
 
 
-def SingleController(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> ActorProxy:
+def SingleController(
+    cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
+) -> ActorProxy:
     """The RolloutRecovery controller as a Ray actor (it owns the store and the workers, so
-    they share its fate), used through the same calls as the in-process object."""
+    they share its fate), used through the same calls as the in-process object. `owner` is
+    the claim on the run's snapshot root (`train` claims before it restores); without one the
+    controller claims the root itself when it starts."""
+    if owner is None:  # claimed here, in the caller: its error is one line
+        owner = StagingStore.claim(
+            RunStorage(cfg.checkpointing.checkpoint_dir).child_uri(DATA_PLANE)
+        )
     init_ray(ray_address, log_to_driver=False)
     options = {"num_cpus": 0, "max_concurrency": 1}
-    return ActorProxy(RolloutRecovery, (cfg, ray_address), start="start", **options)
+    return ActorProxy(RolloutRecovery, (cfg, ray_address, owner), start="start", **options)

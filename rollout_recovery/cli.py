@@ -242,26 +242,33 @@ def _opt(value: object) -> str:
 
 
 def _cmd_snapshots_ls(args: argparse.Namespace) -> int:
-    from rollout_recovery.controller.inspection import list_snapshots
+    from rollout_recovery.controller.inspection import list_claims, list_snapshots
 
     root, found = list_snapshots(args.target)
+    claims = list_claims(args.target)
     if args.json:
         snaps = [s.model_dump(mode="json") for s in found]
-        print(json.dumps({"root": root, "snapshots": snaps}, indent=1))
+        owners = [c.model_dump(mode="json") for c in claims]
+        print(json.dumps({"root": root, "snapshots": snaps, "claims": owners}, indent=1))
         return 0
-    header = ["NAME", "STATUS", "STEP", "REASON", "LEVEL", "ROWS", "CONTINUATIONS", "BYTES"]
+    header = ["NAME", "STATUS", "STEP", "REASON", "LEVEL", "ROWS", "CONTINUATIONS", "BYTES",
+              "EPOCH", "SLOT"]  # fmt: skip
     rows = [header] + [
         [s.name, s.status, _opt(s.step), _opt(s.reason), _opt(s.level), _rows_text(s.rows),
-         _opt(s.continuations), str(s.bytes)]
+         _opt(s.continuations), str(s.bytes), _opt(s.epoch), _opt(s.slot)]
         for s in found
     ]  # fmt: skip
     print(f"snapshots under {root} (newest last)")
-    lines = _table(rows, right={2, 6, 7})
+    lines = _table(rows, right={2, 6, 7, 8, 9})
     print(lines[0])
     for line, snap in zip(lines[1:], found, strict=True):
         print(line)
         if snap.problem:
             print(f"    {snap.problem}")
+    print(f"owner claims ({len(claims)}; the last one may publish):")
+    for c in claims:
+        print(f"  epoch {c.epoch}  slot {c.slot}  host {c.host}  pid {c.pid}  "
+              f"claimed at {c.claimed_at}")  # fmt: skip
     return 0
 
 
@@ -274,6 +281,7 @@ def _cmd_snapshots_show(args: argparse.Namespace) -> int:
         return 0
     print(f"{d.name}  {d.status}" + (f": {d.problem}" if d.problem else ""))
     print(f"  location      {d.location}")
+    print(f"  published by  owner epoch {_opt(d.epoch)} (ownership log slot {_opt(d.slot)})")
     print(f"  created       {_opt(d.created_at)}")
     print(f"  step          {_opt(d.step)}   reason {_opt(d.reason)}   level {_opt(d.level)}")
     print(f"  rows          {_rows_text(d.rows)}")

@@ -6,7 +6,8 @@ handler that delegates every call to `inner`, records it in a journal, and can:
 * cut a chosen file at a chosen byte (`tear`: the bytes after it never land);
 * lose power (`power_loss`): the filesystem returns to what was durable;
 * flip one bit of a stored file (`flip_bit`);
-* raise OSError(EIO / ENOSPC / ...) on a chosen write, fsync, move or delete (`fail`).
+* raise OSError(EIO / ENOSPC / ...) on a chosen write, fsync, move, delete or create-only
+  write (`fail`).
 
 Durability model. On a local disk (POSIX) a file's bytes are durable once the file is
 fsynced, and a name (create, rename, delete, mkdir) once its parent directory is fsynced
@@ -50,6 +51,7 @@ FAULT_KINDS: dict[str, tuple[str, ...]] = {
     "fsync": ("fsync", "fsync_dir"),
     "move": ("move",),
     "delete": ("delete_file", "delete_dir"),
+    "create": ("create",),
 }
 
 
@@ -181,8 +183,9 @@ class FaultFs(pafs.FileSystemHandler):
     # ------------------------------------------------------------------ arming faults
 
     def fail(self, kind: str, pattern: str, nth: int = 1, error: int = errno.EIO) -> None:
-        """Raise OSError(`error`) on the `nth` `kind` operation (write, fsync, move, delete)
-        whose path matches the glob `pattern`; a failed write raises on its first bytes."""
+        """Raise OSError(`error`) on the `nth` `kind` operation (write, fsync, move, delete,
+        create) whose path matches the glob `pattern`; a failed write raises on its first
+        bytes."""
         if kind not in FAULT_KINDS or nth < 1:
             raise ValueError(f"fail needs a kind in {sorted(FAULT_KINDS)} and nth >= 1")
         with self._state() as st:
@@ -394,6 +397,27 @@ class FaultFs(pafs.FileSystemHandler):
                 st.live[dest], st.live[src] = ino, None
             self.inner.move(src, dest)
 
+    def create_only(self, path: str, data: bytes) -> bool:
+        """The create-only write of the ownership log (data_plane.ownership.create_only), on
+        the inner filesystem: True if created, False if the name existed. Locally it is a
+        write, an fsync and a link whose name the seam makes durable by fsyncing the
+        directory, so a created entry is durable at once; on an object store a completed
+        conditional PUT is."""
+        from rollout_recovery.data_plane.ownership import create_only
+
+        with self._state() as st:
+            self._record(st, "create", path)
+            if self.object_store:
+                return create_only(self.inner, path, data)
+            self._track_dir(st, _parent(path))
+            self._track_file(st, path)
+            created = create_only(self.inner, path, data)
+            if created:
+                ino = self._new_ino(st)
+                self._sync_bytes_of(st, path, ino)
+                st.live[path] = st.durable[path] = ino
+            return created
+
     def copy_file(self, src: str, dest: str) -> None:
         with self._state() as st:
             self._record(st, "write", dest)
@@ -408,6 +432,15 @@ class FaultFs(pafs.FileSystemHandler):
         return self.inner.open_input_file(path)
 
     def open_output_stream(self, path: str, metadata: dict[str, str] | None) -> pa.NativeFile:
+        return self._open_sink(path, metadata, append=False)
+
+    def open_append_stream(self, path: str, metadata: dict[str, str] | None) -> pa.NativeFile:
+        """Appends (local disks only): the new bytes are live until the file is fsynced."""
+        if self.object_store:
+            raise NotImplementedError("object stores have no append")
+        return self._open_sink(path, metadata, append=True)
+
+    def _open_sink(self, path: str, metadata: dict[str, str] | None, append: bool) -> Any:
         with self._state() as st:
             fault = self._pick(st, "write", path, "", torn=False)
             tear = self._pick(st, "write", path, "", torn=True)
@@ -416,13 +449,11 @@ class FaultFs(pafs.FileSystemHandler):
             if not self.object_store:
                 if self._track_file(st, path) is None:
                     st.live[path] = self._new_ino(st)
-                target = self.inner.open_output_stream(path, metadata=metadata)
+                opener = self.inner.open_append_stream if append else self.inner.open_output_stream
+                target = opener(path, metadata=metadata)
             sink = _Sink(self, path, target, st.epoch, fault.error if fault else 0)
             sink.tear_at = tear.tear_at if tear else -1
         return pa.PythonFile(sink, mode="w")
-
-    def open_append_stream(self, path: str, metadata: dict[str, str] | None) -> pa.NativeFile:
-        raise NotImplementedError("faultfs models whole-file writes only")
 
     def _closed(self, sink: _Sink) -> None:
         """Finish a stream: refused after a power loss; on an object store, upload it now."""

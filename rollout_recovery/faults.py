@@ -9,13 +9,21 @@ through their Ray runtime environment. Nothing sets it outside tests.
   scratch, counting no refusal (what a silent regression would look like);
 - `redecode_committed_turns`: a restore re-admits every episode from its first prompt, so
   its committed turns are decoded again (no refusal counted either).
+
+`ROLLOUT_RECOVERY_FAULTFS=<state dir>` puts every local path the run resolves (snapshots,
+trainer checkpoints, logs) behind the fault-injecting filesystem (faultfs.py) sharing that
+state directory, in every process of the run; the crash campaign then simulates a power loss
+after a crash. Crash points (crashpoints.py) travel the same way.
 """
 
 from __future__ import annotations
 
 import os
 
+import pyarrow.fs as pafs
+
 ENV = "ROLLOUT_RECOVERY_FAULTS"
+FAULTFS_ENV = "ROLLOUT_RECOVERY_FAULTFS"
 FAULTS = ("resume_disabled", "redecode_committed_turns")
 
 
@@ -34,6 +42,19 @@ def active(name: str) -> bool:
 
 
 def actor_env_vars() -> dict[str, str]:
-    """The fault setting for a Ray actor's runtime environment (empty when none is armed)."""
-    value = os.environ.get(ENV)
-    return {ENV: value} if value else {}
+    """Every armed test fault, fault filesystem and crash point, for a Ray actor's runtime
+    environment (empty when none is armed)."""
+    from rollout_recovery import crashpoints
+
+    out = {k: os.environ[k] for k in (ENV, FAULTFS_ENV) if os.environ.get(k)}
+    return out | crashpoints.actor_env_vars()
+
+
+def local_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
+    """The local filesystem `fs`, behind the fault-injecting one when the run arms it."""
+    state = os.environ.get(FAULTFS_ENV)
+    if not state:
+        return fs
+    from rollout_recovery.faultfs import fault_filesystem
+
+    return fault_filesystem(fs, state, object_store=False)

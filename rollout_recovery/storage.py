@@ -6,22 +6,34 @@ checkpoint logs, the training batches kept for parity checks. Names are joined a
 never with `os.path.join` (which turns `s3://bucket/run` into `s3:/bucket/run`), and a URI's
 query options (an endpoint, a region) are kept on every child.
 
-Writes are atomic per file: locally a temporary file is fsynced and renamed over the target,
-then the directory is fsynced; on object stores a single PUT is atomic. Logs are appended
-locally (fsynced per line); object stores have no append, so a log there is rewritten whole
-(logs are small). An I/O failure raises `StorageError` naming the location and the cause.
+Writes are atomic and durable per file, through the snapshot layer's fsync seam (so the fault
+filesystem sees them too): on a disk a temporary file is fsynced and moved over the target,
+then the directory is fsynced (new directories, and deletes, are made durable the same way);
+on object stores a single PUT is atomic. Logs are appended on a disk (fsynced per line);
+object stores have no append, so a log there is rewritten whole (logs are small). A crash
+mid-write can leave a temporary file (`*.tmp-*`): `leftover_temporaries` finds them and the
+restore deletes them. An I/O failure raises `StorageError` naming the location and the cause.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from rollout_recovery.data_plane.snapshot_io import child_uri, join, resolve
+from rollout_recovery.data_plane.snapshot_io import (
+    child_uri,
+    is_object_store,
+    join,
+    make_dirs,
+    resolve,
+    sync_dir,
+    sync_file,
+)
+
+TMP_MARK = ".tmp-"  # in the name of a file being written, before it is moved into place
 
 
 class StorageError(OSError):
@@ -32,7 +44,8 @@ class RunStorage:
     def __init__(self, uri: str) -> None:
         self.uri = uri
         self.fs, self.root = resolve(uri)
-        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.object_store = is_object_store(self.fs)
+        self.local = not self.object_store and "://" not in uri
 
     def __repr__(self) -> str:
         return f"RunStorage({self.display()})"
@@ -64,7 +77,7 @@ class RunStorage:
         or unreachable location fails before a run starts."""
         probe = f".write-probe-{uuid.uuid4().hex[:8]}"
         try:
-            self.fs.create_dir(self.root, recursive=True)
+            make_dirs(self.fs, self.root.rstrip("/"))
             self.write_bytes(probe, b"probe")
             if self.read_bytes(probe) != b"probe":
                 raise OSError("a probe file read back different bytes")
@@ -98,43 +111,47 @@ class RunStorage:
             return f.read()
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        """Replace `rel` with `data` atomically (a reader sees the old or the new file)."""
+        """Replace `rel` with `data` atomically and durably (a reader, also after a power
+        loss, sees the old or the new file)."""
         target = self.path(rel)
         parent = target.rsplit("/", 1)[0]
         try:
-            self.fs.create_dir(parent, recursive=True)
-            if not self.local:
+            make_dirs(self.fs, parent)
+            if self.object_store:
                 with self.fs.open_output_stream(target) as out:
                     out.write(data)
                 return
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            tmp = f"{target}{TMP_MARK}{uuid.uuid4().hex[:8]}"
             try:
-                with open(tmp, "wb") as fh:
-                    fh.write(data)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, target)
+                with self.fs.open_output_stream(tmp) as out:
+                    out.write(data)
+                sync_file(self.fs, tmp)
+                self.fs.move(tmp, target)
             finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-            _fsync_dir(parent)
+                with contextlib.suppress(OSError):
+                    if self.fs.get_file_info(tmp).type == pafs.FileType.File:
+                        self.fs.delete_file(tmp)
+            sync_dir(self.fs, parent)
         except OSError as err:
             raise StorageError(f"cannot write {self.display(rel)}: {_reason(err)}") from err
 
     def append_line(self, rel: str, line: str) -> None:
         """Append one line to a log, durably."""
         data = (line.rstrip("\n") + "\n").encode()
-        if not self.local:
+        if self.object_store:
             old = self.read_bytes(rel) if self.exists(rel) else b""
             self.write_bytes(rel, old + data)
             return
         target = self.path(rel)
+        parent = target.rsplit("/", 1)[0]
         try:
-            Path(target).parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "ab") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
+            make_dirs(self.fs, parent)
+            new = not self.exists(rel)
+            with self.fs.open_append_stream(target) as out:
+                out.write(data)
+            sync_file(self.fs, target)
+            if new:
+                sync_dir(self.fs, parent)
         except OSError as err:
             raise StorageError(f"cannot append to {self.display(rel)}: {_reason(err)}") from err
 
@@ -144,20 +161,27 @@ class RunStorage:
         return [ln for ln in self.read_bytes(rel).decode().splitlines() if ln.strip()]
 
     def delete_file(self, rel: str) -> None:
+        """Delete `rel` (if it exists), durably."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path(rel))
+            self._sync_parent(rel)
 
     def delete_dir(self, rel: str) -> None:
+        """Delete the directory `rel` and everything under it (if it exists), durably."""
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_dir(self.path(rel))
+            self._sync_parent(rel)
 
+    def _sync_parent(self, rel: str) -> None:
+        if not self.object_store:
+            sync_dir(self.fs, self.path(rel).rsplit("/", 1)[0])
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    def leftover_temporaries(self) -> list[str]:
+        """Temporary files a crash left behind (a write killed before its move), relative."""
+        selector = pafs.FileSelector(self.root, recursive=True, allow_not_found=True)
+        found = [i.path for i in self.fs.get_file_info(selector)
+                 if i.type == pafs.FileType.File and TMP_MARK in i.base_name]  # fmt: skip
+        return sorted(p[len(self.root.rstrip("/")) + 1 :] for p in found)
 
 
 def _reason(err: OSError) -> str:

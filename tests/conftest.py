@@ -43,3 +43,18 @@ def two_workers(ray_session, tiny_cfg):
     pool = WorkerPool.start(tiny_cfg, num_workers=2)
     yield pool
     pool.stop()
+
+
+@pytest.fixture(scope="session")
+def crash_chain(tmp_path_factory):
+    """The reduced crash-point campaign (rollout_recovery/campaign/crash_points.py): a
+    reference run, then one 3-step run killed three times in a row under power loss and
+    restored to the end. Its checks are tests/functional/test_crash_campaign.py; its finished
+    run also serves tests/engine/test_train_failures.py. Returns (workdir, result)."""
+    from rollout_recovery.campaign import crash_points
+
+    work = tmp_path_factory.mktemp("crash-points")
+    result = crash_points.run_crash_campaign(
+        work, points=[], power_loss=True, chains=[crash_points.CHAINS[0]]
+    )
+    return work, result

@@ -1,7 +1,9 @@
 """The snapshot-file campaign: damage one file of the newest snapshot, restore, classify.
 
 A small real history is written by a real `StagingStore`: snapshot A, then B with different
-rows and ledger. Each case damages one file of B (a byte-prefix truncation or a one-bit flip),
+rows and ledger, both published by one owner claim. Each case damages one file of B (a
+byte-prefix truncation or a one-bit flip), B's publish entry in the root's ownership log
+included,
 runs what a restart runs (`select_snapshot(root, "latest", "prefix")`, then a restore of the
 chosen snapshot) and compares the restored rows and ledger with the state captured when that
 snapshot was taken. The only acceptable outcomes are "restored B exactly" and "refused B,
@@ -26,8 +28,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollout_recovery.controller.selection import LEDGER, SnapshotChoice, select_snapshot
-from rollout_recovery.data_plane import StagingStore, snapshot_io
+from rollout_recovery.data_plane import StagingStore, ownership, snapshot_io
 from rollout_recovery.data_plane.digest import token_digest
+from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.data_plane.schemas import (
     SCHEMAS,
     ChunkRow,
@@ -150,13 +153,26 @@ class History:
     root: str
     a: SnapshotState
     b: SnapshotState
+    b_entry: str = ""  # B's publish entry, relative to the root (ownership/<slot>.json)
 
     @property
     def b_dir(self) -> Path:
         return Path(self.b.uri)
 
+    def path(self, rel: str) -> Path:
+        """A file the campaign attacks: B's own (relative to its directory) or B's entry in
+        the ownership log (relative to the root)."""
+        return Path(self.root) / rel if rel == self.b_entry else self.b_dir / rel
 
-def _take(store: StagingStore, root: str, step: int) -> SnapshotState:
+    def files(self) -> dict[str, bytes]:
+        """Every file the campaign attacks -> its bytes: B's files and its log entry."""
+        out = snapshot_files(self.b_dir)
+        if self.b_entry:
+            out[self.b_entry] = self.path(self.b_entry).read_bytes()
+        return out
+
+
+def _take(store: StagingStore, root: str, step: int, owner: Owner | None = None) -> SnapshotState:
     ledger = Ledger.model_validate(
         {
             "format": LEDGER_FORMAT,
@@ -170,7 +186,7 @@ def _take(store: StagingStore, root: str, step: int) -> SnapshotState:
     rows = capture_rows(store)
     uri = store.snapshot(
         root, meta={"trainer_step": str(step), "reason": "cadence"},
-        sidecars={LEDGER: ledger.to_json()},
+        sidecars={LEDGER: ledger.to_json()}, owner=owner,
     ).uri  # fmt: skip
     return SnapshotState(uri, ledger, rows)
 
@@ -179,14 +195,17 @@ def build_history(store: StagingStore, root: str, rows_per_partition: int = 4) -
     """Snapshots A then B on a local root; B adds, replaces and deletes rows so that restoring
     the wrong one is always visible."""
     n = rows_per_partition
+    owner = StagingStore.claim(root)
     store.put("replay", replay_rows([f"r{i}" for i in range(n)]))
     store.put("rollout_staging", chunk_rows([f"s{i}/c0" for i in range(n)]))
-    a = _take(store, root, 1)
+    a = _take(store, root, 1, owner)
     store.put("replay", replay_rows([f"r{i}" for i in range(n // 2, n + n // 2)], tokens=12))
     store.delete("rollout_staging", [f"s{i}/c0" for i in range(n // 2)])
     store.put("rollout_staging", chunk_rows([f"t{i}/c0" for i in range(n // 2)]))
-    b = _take(store, root, 2)
-    return History(root, a, b)
+    b = _take(store, root, 2, owner)
+    fs, path = snapshot_io.resolve(root)
+    slot, _ = ownership.read_log(fs, path).publications()[Path(b.uri).name]
+    return History(root, a, b, f"{ownership.OWNERSHIP_DIR}/{ownership.entry_name(slot)}")
 
 
 def store_restorer(store: StagingStore) -> Restorer:
@@ -359,7 +378,7 @@ class MemoRestorer:
 
 def run_case(case: Case, history: History, pristine: bytes, restore: Restorer) -> CaseOutcome:
     """Damage, select, restore, classify; then put B's pristine bytes back."""
-    target = history.b_dir / case.file
+    target = history.path(case.file)
     damaged = case.apply(pristine)
     target.write_bytes(damaged)
     try:
@@ -468,10 +487,11 @@ def run_campaign(
     cases: Iterable[Case] | None = None,
     memo: bool = True,
 ) -> CampaignResult:
-    """Run every case (by default `generate_cases` over B's files) against `history`;
-    `memo` restores each distinct chosen content once (see MemoRestorer)."""
+    """Run every case (by default `generate_cases` over B's files and its ownership log
+    entry) against `history`; `memo` restores each distinct chosen content once (see
+    MemoRestorer)."""
     start = time.monotonic()
-    pristine = snapshot_files(history.b_dir)
+    pristine = history.files()
     todo = list(cases) if cases is not None else generate_cases(
         {rel: len(data) for rel, data in pristine.items()}, data_flips, data_prefixes
     )  # fmt: skip
@@ -484,7 +504,7 @@ def run_campaign(
         result.add(run_case(case, history, pristine[case.file], restorer or restore))
         if progress is not None:
             progress(i + 1, len(todo))
-    if snapshot_files(history.b_dir) != pristine:
+    if history.files() != pristine:
         raise RuntimeError("the campaign left snapshot B damaged")
     result.real_restores = restorer.real if restorer is not None else len(todo)
     result.elapsed_s = time.monotonic() - start

@@ -8,6 +8,11 @@ admission, also when the attempt fails. An attempt that fails or runs out of tim
 through its publish gate, so its snapshot can no longer be published. Attempts, on the cadence
 or after a trainer checkpoint, share one count of consecutive failures:
 `rollout_checkpointing.max_consecutive_failures` in a row stop the run.
+
+Every snapshot is published, and every retention pass runs, as this controller's `owner`
+(its claim in the snapshot root's ownership log, data_plane/ownership.py). Once a newer
+controller claimed the root, both raise OwnerFenced: the run stops at once with that message
+(it is not a checkpoint failure to retry), having published and deleted nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from typing import TypeVar
 from rollout_recovery.config import CheckpointCoordinatorConfig
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
+from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import PublishGate, StagingStore
+from rollout_recovery.data_plane.ownership import Owner, OwnerFenced
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.errors import CheckpointWriteError, one_line
@@ -61,9 +68,11 @@ class CheckpointCoordinator:
         env: EnvironmentClient,
         storage: RunStorage,
         metrics: RunMetrics,
+        owner: Owner | None = None,
     ) -> None:
         self.cfg, self.state, self.store, self.workers = cfg, state, store, workers
         self.env, self.storage, self.metrics = env, storage, metrics
+        self.owner = owner  # this controller's claim on the snapshot root (owner epoch)
         self.snapshot_root = storage.child_uri(DATA_PLANE)
         self.epochs = itertools.count(1)  # fence epochs: each attempt's is newer
         self.failures_in_a_row = 0
@@ -97,6 +106,11 @@ class CheckpointCoordinator:
         max_consecutive_failures fail in a row, which raises CheckpointWriteError."""
         try:
             metrics = await self.attempt(reason)
+        except OwnerFenced as err:  # a newer controller owns the run: stop now, not retried
+            log.error("%s", one_line(err))
+            self._log({"checkpoint": None, "reason": reason, "step": self.state.step,
+                       "fenced": one_line(err)})  # fmt: skip
+            raise
         except Exception as err:
             self.failures_in_a_row += 1
             limit = self.cfg.rollout_checkpointing.max_consecutive_failures
@@ -138,8 +152,11 @@ class CheckpointCoordinator:
 
         async def steps():
             await fenced.begin_fences(epoch, lease_s)
+            crash_point("fence_held")
             cuts = await self.env.prepare(ckpt_id, lease_s)
+            crash_point("env_prepared")
             records = await self.env.commit(ckpt_id)
+            crash_point("episodes_committed")
             s0 = time.monotonic()
             snap = await self.store.asnapshot(
                 self.snapshot_root,
@@ -147,7 +164,9 @@ class CheckpointCoordinator:
                 sidecars={LEDGER: self.ledger(reason, records).to_json()},
                 deadline=t0 + timeout,
                 gate=gate,
+                owner=self.owner,
             )
+            crash_point("snapshot_taken")
             cuts |= {"chunk_rows_swept": records.chunk_rows_swept}
             return cuts, records, snap, time.monotonic() - s0
 
@@ -167,7 +186,9 @@ class CheckpointCoordinator:
         finally:
             fence_s = time.monotonic() - t0
             await self._release(ckpt_id, epoch, fenced)
-        StagingStore.gc(self.snapshot_root, self.cfg.rollout_checkpointing.keep_latest_k)
+        crash_point("fences_released")
+        keep = self.cfg.rollout_checkpointing.keep_latest_k
+        StagingStore.gc(self.snapshot_root, keep, owner=self.owner)
         self.metrics.add("checkpoints")
         self.metrics.add("fence_hold_s", fence_s)
         metrics = {

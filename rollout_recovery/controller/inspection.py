@@ -7,7 +7,9 @@ safe to run beside a live run or on a crashed run's location before deciding to 
 A location is a run's checkpoint directory (snapshots under its `data_plane/`), a snapshot
 root, or one snapshot directory; local paths and pyarrow.fs URIs alike. Listing is cheap: one
 listing per snapshot directory plus its manifest and ledger, so it notices a torn or missing
-file from sizes alone but not a flipped byte; `verify_location` reads every byte.
+file from sizes alone but not a flipped byte; `verify_location` reads every byte. The root's
+ownership log is read once per call: a snapshot is published when a publish entry there names
+it (its owner epoch and slot are shown), and `list_claims` lists the owner claims.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollout_recovery.config import STORAGE_SCHEMES
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
+from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import SnapshotError
 from rollout_recovery.data_plane.snapshot_io import (
     MANIFEST_NAME,
@@ -100,6 +103,18 @@ class SnapshotSummary(BaseModel):
     rows: dict[str, int] = {}  # partition -> rows
     continuations: int | None = None  # calls in flight with a continuation in the ledger
     bytes: int  # every file in the directory, manifest and sidecars included
+    epoch: int | None = None  # the owner epoch that published it (ownership log)
+    slot: int | None = None  # the slot of its publish entry in the ownership log
+
+
+class ClaimSummary(BaseModel):
+    """An owner claim in the snapshot root's ownership log."""
+
+    slot: int
+    epoch: int
+    host: str
+    pid: int
+    claimed_at: str
 
 
 class SnapshotDetail(SnapshotSummary):
@@ -271,8 +286,15 @@ def _ledger(loc: _Location, name: str, manifest: Manifest) -> tuple[Ledger | Non
         return None, f"its ledger is malformed at `{where}`: {first['msg']}"
 
 
+def _ownership(loc: _Location) -> ownership.OwnershipLog:
+    try:
+        return ownership.read_log(loc.fs, loc.root)
+    except SnapshotError as err:
+        raise StorageError(f"cannot read the ownership log: {one_line(err)}") from None
+
+
 def _read(
-    loc: _Location, name: str, files: dict[str, int]
+    loc: _Location, name: str, files: dict[str, int], log: ownership.OwnershipLog
 ) -> tuple[SnapshotSummary, Manifest | None, Ledger | None]:
     summary = SnapshotSummary(
         name=name,
@@ -283,6 +305,11 @@ def _read(
     )
     if MANIFEST_NAME not in files:
         return summary, None, None
+    publication = log.publications().get(name)
+    if publication is None:  # a manifest, but no publish entry: the attempt never published
+        summary.problem = log.why_unpublished(name)
+        return summary, None, None
+    summary.slot, summary.epoch = publication[0], publication[1].epoch
     path = join(loc.root, name)
     try:
         manifest = read_manifest(loc.fs, path)
@@ -315,7 +342,17 @@ def list_snapshots(target: str) -> tuple[str, list[SnapshotSummary]]:
     """(snapshot root for display, every snapshot directory under it, oldest first)."""
     loc = _open(target)
     found = _listing(loc)
-    return loc.display(), [_read(loc, name, files)[0] for name, files in found.items()]
+    log = _ownership(loc)
+    return loc.display(), [_read(loc, name, files, log)[0] for name, files in found.items()]
+
+
+def list_claims(target: str) -> list[ClaimSummary]:
+    """The owner claims in the snapshot root's ownership log, oldest first (the last one is
+    the controller that may publish there now)."""
+    return [
+        ClaimSummary(slot=slot, epoch=body.epoch, **body.owner.model_dump())
+        for slot, body in _ownership(_open(target)).claims()
+    ]
 
 
 def _ledger_summary(ledger: Ledger) -> LedgerSummary:
@@ -343,7 +380,7 @@ def show_snapshot(target: str, name: str | None = None) -> SnapshotDetail:
     directory, else the newest snapshot directory (whatever its status, as `ls` ends with)."""
     loc = _open(target, name)
     name, files = next(reversed(_listing(loc).items()))
-    summary, manifest, ledger = _read(loc, name, files)
+    summary, manifest, ledger = _read(loc, name, files, _ownership(loc))
     detail = SnapshotDetail(**summary.model_dump())
     if manifest is None:
         detail.files = [FileSummary(path=p, bytes=b) for p, b in sorted(files.items())]
@@ -408,10 +445,17 @@ def verify_location(target: str, name: str | None = None) -> list[VerifyResult]:
     nothing about the files now). Unpublished directories are not verified."""
     loc = _open(target, name)
     found = _listing(loc)
-    published = [n for n, files in found.items() if MANIFEST_NAME in files]
+    publications = _ownership(loc).publications()
+    published = [n for n, files in found.items() if MANIFEST_NAME in files and n in publications]
     if not published and loc.only is not None:
         raise InspectionError(
-            f"{loc.display(loc.only)} is not published (no {MANIFEST_NAME}); nothing to verify"
+            f"{loc.display(loc.only)} is not published ("
+            + (
+                "no publish entry in the ownership log names it"
+                if MANIFEST_NAME in found.get(loc.only, {})
+                else f"no {MANIFEST_NAME}"
+            )
+            + "); nothing to verify"
         )
     if not published:
         raise InspectionError(

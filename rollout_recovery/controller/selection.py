@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from rollout_recovery.config import CheckpointCoordinatorConfig
 from rollout_recovery.data_plane import SnapshotError, StagingStore
-from rollout_recovery.data_plane.snapshot_io import published_uris
+from rollout_recovery.data_plane.snapshot_io import child_uri, list_snapshot_dirs
 from rollout_recovery.errors import RestoreError
 from rollout_recovery.protocol import LEDGER_FORMAT, Ledger
 from rollout_recovery.storage import RunStorage
@@ -77,13 +77,21 @@ def select_snapshot(
     taken right after a trainer checkpoint). `accept(uri, ledger)` may add checks (raising
     SnapshotUnusable to fall back) and returns extra facts for the chosen one. Returns None when
     nothing is published; raises RestoreError when snapshots exist and none is usable, or when
-    the newest usable one holds finer-level state than `level`."""
+    the newest usable one holds finer-level state than `level`. A directory whose manifest is
+    in place but that the ownership log does not count as published (its controller stopped or
+    was fenced before publishing, or its log entry is damaged) is reported as skipped."""
     try:
-        uris = published_uris(root_uri)
+        dirs, _ = list_snapshot_dirs(root_uri)
     except SnapshotError as err:
         raise RestoreError(f"cannot list snapshots under {root_uri}: {err}") from None
     skipped: list[tuple[str, str]] = []
-    for uri in reversed(uris):
+    for found in reversed(dirs):
+        if not found.has_manifest:
+            continue  # an attempt that never wrote its manifest
+        uri = child_uri(root_uri, found.name)
+        if not found.published:  # a manifest, but no (valid, unfenced) ownership log entry
+            skipped.append((uri, found.why or "not published"))
+            continue
         try:
             manifest = StagingStore.verify(uri, use_cache=False)
             if mode == "trainer_checkpoint" and manifest.body.meta.get("reason") != (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from rollout_recovery.errors import RecoveryError
+
 
 class StoreError(Exception):
     """Base class of every data-plane error."""
@@ -46,3 +48,12 @@ class SnapshotAborted(SnapshotError):
 
 class SnapshotCorruptError(SnapshotError):
     """A snapshot is partial or a file does not match its manifest; the error names the file."""
+
+
+class OwnerFenced(SnapshotError, RecoveryError):
+    """A newer controller claimed the snapshot root: this one stops without publishing or
+    deleting anything (the message names the newer owner)."""
+
+
+class OwnershipConflict(SnapshotError, RecoveryError):
+    """Another controller claimed the same snapshot root at the same time."""

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
 from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
 from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform, schema_version
@@ -179,6 +180,7 @@ class StoreShard:
         def write(job) -> FileEntry:
             name, rel, table = job
             sha, size = write_table_checksummed(fs, join(root, rel), table)
+            crash_point("snapshot_file_written")
             if sleep_s:
                 time.sleep(sleep_s)
             kind = self.kinds[name]

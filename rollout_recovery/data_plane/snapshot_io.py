@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import urlsplit, urlunsplit
 
@@ -48,6 +49,9 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
+from rollout_recovery import faults
+from rollout_recovery.crashpoints import crash_point
+from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import (
     BadInputError,
     SnapshotAborted,
@@ -183,6 +187,7 @@ def resolve(uri: str, filesystem: pafs.FileSystem | None = None) -> tuple[pafs.F
     """
     if "://" not in uri:
         fs, path = pafs.LocalFileSystem(), os.path.abspath(os.path.expanduser(uri))
+        fs = faults.local_filesystem(fs)
     else:
         try:
             fs, path = pafs.FileSystem.from_uri(uri)
@@ -205,6 +210,15 @@ def child_uri(root_uri: str, name: str) -> str:
 
 def _is_local(fs: pafs.FileSystem) -> bool:
     return isinstance(fs, pafs.LocalFileSystem)
+
+
+def is_object_store(fs: pafs.FileSystem) -> bool:
+    """Whether `fs` stores whole objects (a PUT is atomic and durable, there is no append and
+    no cheap rename) rather than files on a disk, seeing through a fault-injecting wrapper."""
+    handler = getattr(fs, "handler", None)
+    if handler is not None and hasattr(handler, "object_store"):
+        return bool(handler.object_store)
+    return not _is_local(fs)
 
 
 def _fsync_path(path: str, directory: bool = False) -> None:
@@ -235,7 +249,7 @@ def sync_dir(fs: pafs.FileSystem, path: str) -> None:
     _sync(fs, path, directory=True)
 
 
-def _make_dirs(fs: pafs.FileSystem, path: str) -> None:
+def make_dirs(fs: pafs.FileSystem, path: str) -> None:
     """Create `path` and any missing ancestors, each one's name made durable in its parent."""
     missing = []
     while path and fs.get_file_info(path).type == pafs.FileType.NotFound:
@@ -323,6 +337,7 @@ def write_sidecar(fs: pafs.FileSystem, snapshot_dir: str, name: str, data: bytes
         out.write(data)
     sync_file(fs, path)
     sync_dir(fs, join(snapshot_dir, "sidecars"))
+    crash_point("sidecar_written")
     return SidecarEntry(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
@@ -349,12 +364,19 @@ def publish_manifest(
     body: ManifestBody,
     gate: PublishGate | None = None,
     deadline: float | None = None,
+    owner: ownership.Owner | None = None,
 ) -> Manifest:
     """Publish a snapshot whose files are all durable: write the manifest under a temporary
     name and sync it and the directory (every name the manifest lists is then durable), then
     move it into place under `gate` and sync the directory and the root (see the module
     docstring). The temporary write stays outside the gate so that `abort()` waits for at
     most one move and its syncs.
+
+    The last step, still under the gate, is the publish entry in the root's ownership log
+    (`ownership.publish_entry`), written for `owner` (None: epoch 0): until it exists readers
+    do not count the snapshot as published. The log is read before the move, so a writer that
+    a newer claim fenced already raises OwnerFenced without moving the manifest; one fenced
+    while publishing raises it when its create-only write of the entry loses.
 
     Raises SnapshotAborted, publishing nothing, when the gate was aborted or `deadline` passed;
     the temporary file is invisible to readers and goes with its directory in `gc`.
@@ -365,11 +387,17 @@ def publish_manifest(
         out.write(manifest.model_dump_json(indent=1).encode())
     sync_file(fs, tmp)
     sync_dir(fs, snapshot_dir)
+    crash_point("manifest_written")
+    root, name = snapshot_dir.rstrip("/").rsplit("/", 1)
     with (gate or PublishGate()).publishing(snapshot_dir, deadline) as published:
+        log = ownership.prepare_publish(fs, root, owner)
         fs.move(tmp, join(snapshot_dir, MANIFEST_NAME))
-        published()
         sync_dir(fs, snapshot_dir)
-        sync_dir(fs, snapshot_dir.rstrip("/").rsplit("/", 1)[0])
+        sync_dir(fs, root)
+        published()  # from here on the attempt may be visible: an error still counts
+        crash_point("manifest_moved")
+        ownership.publish_entry(fs, root, owner, name, manifest.sha256, log)
+    crash_point("manifest_published")
     return manifest
 
 
@@ -483,8 +511,25 @@ def _forget_verified(deleted: list[str]) -> None:
         _verified.difference_update({k for k in _verified if k[1] in gone})
 
 
-def _list_snapshot_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str, bool]]:
-    """(seq, dir path, published) for every snapshot directory under root."""
+@dataclass(frozen=True)
+class SnapshotDir:
+    """A snapshot directory under a root, as one listing (with one read of the ownership
+    log) found it."""
+
+    seq: int
+    path: str
+    published: bool
+    has_manifest: bool = False
+    slot: int | None = None  # the slot of its publish entry in the ownership log
+    epoch: int | None = None  # the owner epoch that published it
+    why: str | None = None  # why a directory holding a manifest is not published
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _snapshot_dir_infos(fs: pafs.FileSystem, root: str) -> list[tuple[int, str]]:
     try:
         infos = fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
     except OSError as err:
@@ -492,26 +537,66 @@ def _list_snapshot_dirs(fs: pafs.FileSystem, root: str) -> list[tuple[int, str, 
     out = []
     for info in infos:
         m = SNAPSHOT_DIR_RE.match(info.base_name)
-        if info.type != pafs.FileType.Directory or not m:
-            continue
-        manifest = fs.get_file_info(join(info.path, MANIFEST_NAME))
-        out.append((int(m.group(1)), info.path, manifest.type == pafs.FileType.File))
+        if info.type == pafs.FileType.Directory and m:
+            out.append((int(m.group(1)), info.path))
     return sorted(out)
+
+
+def _list_snapshot_dirs(
+    fs: pafs.FileSystem, root: str, log: ownership.OwnershipLog | None = None
+) -> list[SnapshotDir]:
+    """Every snapshot directory under root, oldest first. One is published when its manifest
+    exists and a publish entry of the ownership log (read once per listing) names it with
+    that manifest's sha256, no claim of a higher epoch before it. A manifest that cannot be
+    read keeps its publication (verification then names the damage); a manifest without an
+    entry is an attempt that stopped before publishing."""
+    log = log if log is not None else ownership.read_log(fs, root)
+    publications = log.publications()
+    out = []
+    for seq, path in _snapshot_dir_infos(fs, root):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if fs.get_file_info(join(path, MANIFEST_NAME)).type != pafs.FileType.File:
+            out.append(SnapshotDir(seq, path, False))
+            continue
+        if name not in publications:
+            out.append(SnapshotDir(seq, path, False, True, why=log.why_unpublished(name)))
+            continue
+        slot, entry = publications[name]
+        try:
+            sha = read_manifest(fs, path).sha256
+        except SnapshotCorruptError:
+            sha = entry.manifest_sha256
+        if sha != entry.manifest_sha256:
+            why = (f"not published: its {MANIFEST_NAME} (sha256 {sha[:12]}) is not the one its "
+                   f"publish entry names ({str(entry.manifest_sha256)[:12]})")  # fmt: skip
+            out.append(SnapshotDir(seq, path, False, True, slot, entry.epoch, why))
+            continue
+        out.append(SnapshotDir(seq, path, True, True, slot, entry.epoch))
+    return out
+
+
+def list_snapshot_dirs(
+    root_uri: str, filesystem: pafs.FileSystem | None = None
+) -> tuple[list[SnapshotDir], ownership.OwnershipLog]:
+    """Every snapshot directory under root_uri (oldest first) and the ownership log read."""
+    fs, root = resolve(root_uri, filesystem)
+    log = ownership.read_log(fs, root)
+    return _list_snapshot_dirs(fs, root, log), log
 
 
 def new_snapshot_dir(fs: pafs.FileSystem, root: str) -> tuple[int, str]:
     """A new, empty snapshot directory under root (created durably if it is new); its own
     name becomes durable when it is published."""
-    dirs = _list_snapshot_dirs(fs, root)
+    dirs = _snapshot_dir_infos(fs, root)
     seq = (dirs[-1][0] + 1) if dirs else 1
     path = join(root, f"snapshot-{seq:010d}-{uuid.uuid4().hex[:8]}")
-    _make_dirs(fs, root.rstrip("/"))
+    make_dirs(fs, root.rstrip("/"))
     fs.create_dir(path, recursive=True)
     return seq, path
 
 
 def latest_published(fs: pafs.FileSystem, root: str) -> str | None:
-    published = [d for _, d, ok in _list_snapshot_dirs(fs, root) if ok]
+    published = [d.path for d in _list_snapshot_dirs(fs, root) if d.published]
     return published[-1] if published else None
 
 
@@ -525,11 +610,7 @@ def latest_uri(root_uri: str, filesystem: pafs.FileSystem | None = None) -> str 
 def published_uris(root_uri: str, filesystem: pafs.FileSystem | None = None) -> list[str]:
     """URIs of every published snapshot under root_uri, oldest first."""
     fs, root = resolve(root_uri, filesystem)
-    return [
-        child_uri(root_uri, d.rstrip("/").rsplit("/", 1)[-1])
-        for _, d, ok in _list_snapshot_dirs(fs, root)
-        if ok
-    ]
+    return [child_uri(root_uri, d.name) for d in _list_snapshot_dirs(fs, root) if d.published]
 
 
 def require_latest(root_uri: str) -> str:
@@ -539,13 +620,13 @@ def require_latest(root_uri: str) -> str:
     return found
 
 
-def _newest_verified(fs: pafs.FileSystem, dirs: list[tuple[int, str, bool]], k: int) -> list[int]:
+def _newest_verified(fs: pafs.FileSystem, dirs: list[SnapshotDir], k: int) -> list[int]:
     """Indices into `dirs` of the newest k published snapshots that verify, newest first."""
     found: list[int] = []
     for i in range(len(dirs) - 1, -1, -1):
         if len(found) == k:
             break
-        _, path, published = dirs[i]
+        path, published = dirs[i].path, dirs[i].published
         if not published:
             continue
         try:
@@ -557,7 +638,9 @@ def _newest_verified(fs: pafs.FileSystem, dirs: list[tuple[int, str, bool]], k: 
     return found
 
 
-def gc(fs: pafs.FileSystem, root: str, keep_latest_k: int) -> list[str]:
+def gc(
+    fs: pafs.FileSystem, root: str, keep_latest_k: int, owner: ownership.Owner | None = None
+) -> list[str]:
     """Retention that never deletes the newest restorable snapshot; returns the deleted paths.
 
     Keeps the newest keep_latest_k snapshots that verify. Deletes every directory older than
@@ -565,22 +648,29 @@ def gc(fs: pafs.FileSystem, root: str, keep_latest_k: int) -> list[str]:
     newest kept one: a snapshot published after it began means its attempt is over. A corrupt
     snapshot among or after the kept ones stays (for inspection), so does a newer unpublished
     one (it may still be being written); when no snapshot verifies nothing is deleted.
+
+    First of all, `owner` (None: epoch 0) must still own the root: when the ownership log
+    holds a newer claim, OwnerFenced is raised and nothing is deleted. The log entries at
+    slots below the oldest kept snapshot's publish entry are pruned too, never the newest
+    claim.
     """
     if keep_latest_k < 1:
         raise ValueError("keep_latest_k must be >= 1")
-    dirs = _list_snapshot_dirs(fs, root)
+    log = ownership.read_log(fs, root)
+    ownership.check_current(log, owner, "deleting or publishing anything")
+    dirs = _list_snapshot_dirs(fs, root, log)
     kept = _newest_verified(fs, dirs, keep_latest_k)
     if not kept:
         return []
     oldest, newest = min(kept), max(kept)
-    doomed = [
-        d
-        for i, (_, d, published) in enumerate(dirs)
-        if i < oldest or (not published and i < newest)
-    ]
+    doomed = [d.path for i, d in enumerate(dirs) if i < oldest or (not d.published and i < newest)]
     for d in doomed:
         fs.delete_dir(d)
+        crash_point("retention_deleted")
     _forget_verified(doomed)
+    oldest_slot = dirs[oldest].slot
+    if oldest_slot is not None:
+        ownership.prune(fs, log, oldest_slot)
     return doomed
 
 

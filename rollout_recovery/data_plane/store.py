@@ -26,6 +26,7 @@ from rollout_recovery.data_plane.errors import (
     SnapshotCorruptError,
     UnknownPartitionError,
 )
+from rollout_recovery.data_plane.ownership import Owner, claim
 from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
 from rollout_recovery.data_plane.shard import StoreShard, shard_of
 from rollout_recovery.data_plane.snapshot_io import (
@@ -332,6 +333,7 @@ class StagingStore:
         deadline: float | None = None,
         gate: PublishGate | None = None,
         filesystem: pafs.FileSystem | None = None,
+        owner: Owner | None = None,
     ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
@@ -342,6 +344,9 @@ class StagingStore:
         nothing is published and SnapshotAborted is raised; the unpublished directory is
         garbage-collected later. `filesystem`, when given, is used instead of the URI's own
         (by the shards too; every method taking a URI accepts it), e.g. a fault-injecting one.
+        `owner` is the controller's claim on the root (ownership.claim); publication is
+        refused with OwnerFenced once a newer controller claimed it (None: epoch 0, fenced by
+        any claim).
         """
         gate = gate or PublishGate()
         fs, root = _resolve(root_uri, filesystem)
@@ -367,7 +372,8 @@ class StagingStore:
             meta=dict(meta or {}),
             sidecars=side,
         )
-        return SnapshotResult(uri=uri, manifest=publish_manifest(fs, path, body, gate, deadline))
+        manifest = publish_manifest(fs, path, body, gate, deadline, owner)
+        return SnapshotResult(uri=uri, manifest=manifest)
 
     def _timeout(self, deadline: float | None) -> float | None:
         """The shard-call timeout: the store's, shortened to what is left of the deadline."""
@@ -446,6 +452,7 @@ class StagingStore:
         deadline: float | None = None,
         gate: PublishGate | None = None,
         filesystem: pafs.FileSystem | None = None,
+        owner: Owner | None = None,
     ) -> SnapshotResult:
         """`snapshot` in a thread. Cancelling this coroutine (e.g. `asyncio.wait_for` timing
         out) aborts the publication, since the thread itself cannot be stopped; a caller that
@@ -454,7 +461,7 @@ class StagingStore:
         gate = gate or PublishGate()
         try:
             return await asyncio.to_thread(
-                self.snapshot, root_uri, meta, sidecars, deadline, gate, filesystem
+                self.snapshot, root_uri, meta, sidecars, deadline, gate, filesystem, owner
             )
         except asyncio.CancelledError:
             gate.abort()
@@ -472,9 +479,19 @@ class StagingStore:
 
     @staticmethod
     def gc(
-        root_uri: str, keep_latest_k: int, filesystem: pafs.FileSystem | None = None
+        root_uri: str,
+        keep_latest_k: int,
+        filesystem: pafs.FileSystem | None = None,
+        owner: Owner | None = None,
     ) -> list[str]:
         """Keep the newest keep_latest_k snapshots that verify; delete only directories older
-        than the oldest of them (see snapshot_io.gc)."""
+        than the oldest of them (see snapshot_io.gc). OwnerFenced, deleting nothing, when a
+        newer controller than `owner` claimed the root."""
         fs, root = _resolve(root_uri, filesystem)
-        return gc(fs, root, keep_latest_k)
+        return gc(fs, root, keep_latest_k, owner)
+
+    @staticmethod
+    def claim(root_uri: str, filesystem: pafs.FileSystem | None = None) -> Owner:
+        """Become the owner of the snapshot root (see data_plane.ownership.claim)."""
+        fs, root = _resolve(root_uri, filesystem)
+        return claim(fs, root)

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from rollout_recovery.config import EnvironmentActorConfig
+from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import replay_rows_to_table, table_to_replay_rows
 from rollout_recovery.environment.episode import (
     Episode,
@@ -133,6 +134,7 @@ class EpisodeRunner:
             row = replay_row(ep, float(reward_fn("".join(ep.replies()))), weight_version)
             # Durable as soon as it is finished: a crash later does not regenerate it.
             await self.store.aput("replay", replay_rows_to_table([row]))
+            crash_point("replay_row_written")
         finally:
             self.episodes.pop(ep.rollout_id, None)
         return EpisodeOutcome(row, decoded, ep.state)
@@ -253,6 +255,7 @@ class EpisodeRunner:
         ]
         if doomed:
             await self.store.adelete(partition, doomed)
+            crash_point("chunks_swept")
             self.counts["chunk_rows_swept"] += len(doomed)
         return len(doomed)
 

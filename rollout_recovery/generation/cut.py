@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane.digest import chain_digest, finish_digest, token_digest
 from rollout_recovery.data_plane.schemas import (
     ChunkRow,
@@ -196,6 +197,8 @@ class CutService:
                 results[p.index] = _success(p.ref, call, p.finish)
                 staged_rows += 1
                 staged_tokens += row.delta_len
+        if staged_rows:
+            crash_point("cut_rows_staged")
         receipts = [results[i] for i in range(len(inventory.calls))]
         for r in receipts:
             self.metrics.cut(r.disposition, r.reason)
@@ -313,6 +316,7 @@ class CutService:
         except Exception:
             self.metrics.tally["terminal_errors"] += 1
             return
+        crash_point("terminal_row_written")
         self.metrics.count("terminal_rows")
         stale = [*call.chunk_keys, *call.superseded_keys]
         if stale and (deferred or self.fence.held):
@@ -326,6 +330,7 @@ class CutService:
                 stale = [*call.chunk_keys, *call.superseded_keys]
                 if stale:
                     await self._discard(stale)
+                    crash_point("chunk_rows_deleted")
                 break
         self.capture.forget(call)
 

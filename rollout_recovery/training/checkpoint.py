@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.model_identity import weights_digest
 from rollout_recovery.storage import RunStorage
 
@@ -74,9 +75,12 @@ def save_trainer_checkpoint(
     where = trainer_dir(step)
     storage.delete_file(f"{where}/meta.json")
     storage.write_bytes(f"{where}/state.safetensors", state)
+    crash_point("trainer_checkpoint_file")
     if log_record is not None:
         storage.write_bytes(f"{where}/step.json", json.dumps(log_record).encode())
+        crash_point("trainer_checkpoint_file")
     storage.write_bytes(f"{where}/meta.json", json.dumps(meta, indent=1, default=list).encode())
+    crash_point("trainer_checkpoint_file")
     return meta
 
 

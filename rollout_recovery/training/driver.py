@@ -17,7 +17,11 @@ logged: a large gap means the workers served other weights than the trainer hold
 
 Restore (`restore=True`) is decided from files before anything starts (restore.py): the newest
 usable snapshot, its trainer checkpoint verified and of the same weights, the same base model.
-A refusal is a `RecoveryError` with one line; nothing is deleted.
+A refusal is a `RecoveryError` with one line; nothing is deleted. Then the driver claims the
+run's snapshot root (data_plane/ownership.py: a new owner epoch, so an older controller still
+running can no longer publish or delete snapshots) and, if a snapshot was published between
+the choice and the claim, chooses again; the chosen snapshot is restored after the claim. A
+fresh run claims the root right after checking that the location holds no run.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from rollout_recovery.controller.selection import (
     select_snapshot,
 )
 from rollout_recovery.crashpoints import crash_point
-from rollout_recovery.data_plane import SnapshotError
+from rollout_recovery.data_plane import SnapshotError, StagingStore
 from rollout_recovery.data_plane.schemas import list_rows
 from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.errors import (
@@ -218,11 +222,14 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
         return None
     step = choice.ledger.step
     if step >= cfg.grpo.steps:
+        repaired = _complete_step_log(storage, step)
         raise RestoreError(
             f"the run in {storage.display()} already finished its {step} steps "
             f"(grpo.steps={cfg.grpo.steps}); raise grpo.steps to train it further, or start a "
             "new run in another checkpointing.checkpoint_dir"
-        )
+            + (f" (step {step}'s log line, lost to a crash, was written from its trainer "
+               "checkpoint)" if repaired else "")
+        )  # fmt: skip
     return RestorePlan(choice, step, choice.extra.get("meta"), choice.extra.get("state"))
 
 
@@ -245,9 +252,9 @@ def _prune_trainer_checkpoints(storage: RunStorage, keep_latest_k: int) -> None:
             storage.delete_dir(trainer_dir(step))
 
 
-def _complete_step_log(storage: RunStorage, step: int) -> None:
+def _complete_step_log(storage: RunStorage, step: int) -> bool:
     """A crash between a step's trainer checkpoint and its log line loses the line: write it
-    from the record the trainer checkpoint kept."""
+    from the record the trainer checkpoint kept (True when it did)."""
     records = [json.loads(ln) for ln in storage.read_lines(STEPS_LOG)]
     logged = {r.get("step") for r in records if "event" not in r}
     if step > 0 and step not in logged:
@@ -255,6 +262,8 @@ def _complete_step_log(storage: RunStorage, step: int) -> None:
         if record is not None:
             record |= {"logged_from": "trainer_checkpoint"}
             storage.append_line(STEPS_LOG, json.dumps(record))
+            return True
+    return False
 
 
 def _announce(storage: RunStorage, plan: RestorePlan) -> None:
@@ -268,6 +277,14 @@ def _announce(storage: RunStorage, plan: RestorePlan) -> None:
     storage.append_line(STEPS_LOG, json.dumps(event))
 
 
+def _published(root: str) -> list[str] | None:
+    """The published snapshots under root (None when they cannot be listed)."""
+    try:
+        return published_uris(root)
+    except SnapshotError:
+        return None
+
+
 def train(
     cfg: RolloutRecoveryConfig, ray_address: str = "local", restore: bool = False
 ) -> list[dict]:
@@ -279,8 +296,13 @@ def train(
     storage = RunStorage(cfg.checkpointing.checkpoint_dir)
     storage.check_writable()
     plan = None
+    root = storage.child_uri(DATA_PLANE)
     if restore:
-        plan = plan_restore(cfg, storage)
+        seen = _published(root)
+        plan = plan_restore(cfg, storage)  # files only: a refusal changes nothing
+        owner = StagingStore.claim(root)  # from here on an older controller cannot publish
+        if seen is None or _published(root) != seen:
+            plan = plan_restore(cfg, storage)  # its last publication landed meanwhile
         if plan is None:
             print(f"Nothing to restore under {storage.display()}: starting from step 0", flush=True)
     else:
@@ -291,6 +313,7 @@ def train(
                 f"({', '.join(found)}); continue it with `train --restore`, or choose another "
                 "checkpointing.checkpoint_dir (nothing was deleted)"
             )
+        owner = StagingStore.claim(root)
     weights_dir = storage.local_path("weights")
     scratch = None
     if weights_dir is None:  # the workers reload weights from a local directory
@@ -305,7 +328,9 @@ def train(
         if plan.meta is not None:
             load_trainer_checkpoint(plan.state, plan.meta, model, opt)
         _complete_step_log(storage, start)
-    rr = SingleController(cfg, ray_address)
+        for rel in storage.leftover_temporaries():  # writes the crash cut short
+            storage.delete_file(rel)
+    rr = SingleController(cfg, ray_address, owner=owner)
     history = []
     try:
         if plan is not None:
@@ -353,11 +378,14 @@ def _train_step(cfg, rr, storage: RunStorage, model, opt, step: int, weights_dir
     rr.record_call_attempts(step + 1)
     tokens = sum(r.generated_tokens for r in results)
     lease = rr.take_batch(len(groups) * g.generations_per_prompt)
+    crash_point("batch_leased")
     storage.write_bytes(f"batches/step-{step + 1:06d}.arrow", _batch_bytes(lease.rows))
     storage.write_bytes(f"batches/step-{step + 1:06d}.states.json", _states_json(results))
     loss, reward, gap = grpo_step(model, opt, lease.rows, g.generations_per_prompt)
     rr.ack(lease)
+    crash_point("batch_acked")
     version = rr.push_weights(str(_export(model, weights_dir)))
+    crash_point("weights_pushed")
     c0 = time.monotonic()
     record = {
         "step": step + 1,
@@ -390,4 +418,5 @@ def _train_step(cfg, rr, storage: RunStorage, model, opt, step: int, weights_dir
     _prune_trainer_checkpoints(storage, cfg.rollout_checkpointing.keep_latest_k)
     record |= {"checkpoint_s": time.monotonic() - c0, "snapshot_s": snap["snapshot_s"]}
     storage.append_line(STEPS_LOG, json.dumps(record))
+    crash_point("step_logged")
     return record

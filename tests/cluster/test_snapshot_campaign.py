@@ -30,12 +30,14 @@ def test_reduced_campaign_has_no_silent_corruption(store, tmp_path):
     assert result.silent_corruption == 0, result.silent[:5]
     assert result.unexpected == [] and result.unnamed_reasons == []
     counts = result.counts
-    assert counts["control"]["restored_exact"] == len(result.files) == 6
+    assert counts["control"]["restored_exact"] == len(result.files) == 7
     for klass in ("byte_prefix", "bit_flip_meta", "bit_flip_data"):
         assert counts[klass]["refused_fell_back"] == sum(counts[klass].values()) > 0, klass
-    # Every byte prefix and every flip of the manifest and the ledger were run.
+    # Every byte prefix and every flip of the manifest, the ledger and B's ownership log entry
+    # (a damaged entry leaves B unpublished: reported, and A restored) were run.
     meta = {rel: n for rel, n in result.files.items() if not campaign.is_data(rel)}
-    assert set(meta) == {"MANIFEST.json", "sidecars/ledger.json"}
+    assert history.b_entry.startswith("ownership/")
+    assert set(meta) == {"MANIFEST.json", "sidecars/ledger.json", history.b_entry}
     assert counts["bit_flip_meta"]["refused_fell_back"] == sum(meta.values())
     assert set(result.data_flip_offsets.values()) == {32}
     assert result.to_json()["silent_corruption"] == 0

@@ -194,7 +194,7 @@ def test_enospc_on_a_data_file_fails_the_attempt_cleanly(make_store, tmp_path, f
     assert StagingStore.latest(root, filesystem=ffs) == first
     _assert_restores_exactly(make_store, first, ffs, expected)
     third = _snapshot(store, root, ffs, 3)  # the store is unharmed; the next attempt works
-    failed = [p for p in Path(root).iterdir() if not (p / MANIFEST_NAME).exists()]
+    failed = [p for p in Path(root).glob("snapshot-*") if not (p / MANIFEST_NAME).exists()]
     assert len(failed) == 1
     assert StagingStore.gc(root, keep_latest_k=1, filesystem=ffs) == [first, str(failed[0])]
     assert StagingStore.latest(root, filesystem=ffs) == third

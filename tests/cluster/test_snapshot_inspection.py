@@ -93,10 +93,11 @@ def test_ls_tells_published_unpublished_and_damaged_apart(good_run, make_store, 
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"snapshots under {root} (newest last)"
     assert out[1].split() == ["NAME", "STATUS", "STEP", "REASON", "LEVEL", "ROWS",
-                              "CONTINUATIONS", "BYTES"]  # fmt: skip
+                              "CONTINUATIONS", "BYTES", "EPOCH", "SLOT"]  # fmt: skip
     assert out[2].split()[:6] == [a.name, "published", "1", "trainer_checkpoint", "prefix",
                                   "replay=1"]  # fmt: skip
-    assert out[3].split()[-2:] == ["2", str(b.bytes)]
+    assert out[3].split()[-4:] == ["2", str(b.bytes), "0", str(b.slot)]
+    assert (a.epoch, a.slot, b.slot) == (0, 1, 2)  # published without an owner claim
     assert out[4].split()[:2] == [c.name, "damaged"] and "MANIFEST" in out[5]
     assert out[6].split()[:2] == [d.name, "unpublished"]
 
@@ -105,6 +106,7 @@ def test_ls_tells_published_unpublished_and_damaged_apart(good_run, make_store, 
     assert listed["root"] == str(root)
     assert [s["status"] for s in listed["snapshots"]] == [s.status for s in snaps]
     assert listed["snapshots"][1] == b.model_dump(mode="json")
+    assert listed["claims"] == []
     assert _tree(root) == before  # looking changed nothing
 
 

@@ -17,6 +17,7 @@ from rollout_recovery.data_plane import (
     SnapshotAborted,
     SnapshotCorruptError,
     StagingStore,
+    ownership,
     snapshot_io,
 )
 from rollout_recovery.data_plane import store as store_module
@@ -76,6 +77,9 @@ class _StallingFs(pafs.FileSystemHandler):
 
     def copy_file(self, src, dest):
         self.local.copy_file(src, dest)
+
+    def create_only(self, path, data):  # the ownership log's create-only write
+        return ownership.create_only(self.local, path, data)
 
     def open_input_stream(self, path):
         return self.local.open_input_stream(path)
@@ -299,9 +303,9 @@ def test_gc_deletes_nothing_when_no_snapshot_verifies(make_store, tmp_path):
     for uri, corrupt in zip(uris, [_flip_data_byte, _tear_manifest, _drop_sidecar], strict=True):
         corrupt(Path(uri))
     (root / "snapshot-0000000000-0badf00d").mkdir()  # an abandoned unpublished attempt
-    before = sorted(p.name for p in root.iterdir())
+    before = sorted(p.name for p in root.glob("snapshot-*"))
     assert StagingStore.gc(str(root), keep_latest_k=1) == []
-    assert sorted(p.name for p in root.iterdir()) == before
+    assert sorted(p.name for p in root.glob("snapshot-*")) == before
 
 
 def test_gc_deletes_old_verified_and_abandoned_snapshots(make_store, tmp_path):
@@ -316,7 +320,7 @@ def test_gc_deletes_old_verified_and_abandoned_snapshots(make_store, tmp_path):
     assert sorted(StagingStore.gc(str(root), keep_latest_k=3)) == sorted([s1, abandoned])
     assert Path(torn).exists(), "a corrupt snapshot among the kept ones stays"
     assert sorted(StagingStore.gc(str(root), keep_latest_k=2)) == sorted([s2, torn])
-    assert sorted(p.name for p in root.iterdir()) == sorted(
+    assert sorted(p.name for p in root.glob("snapshot-*")) == sorted(
         [Path(s5).name, Path(s6).name, in_progress.name]
     )
     assert StagingStore.latest(str(root)) == s6

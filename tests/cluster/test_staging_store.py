@@ -313,7 +313,7 @@ if __name__ == "__main__":
         deadline = time.monotonic() + 60
         partial = None
         while time.monotonic() < deadline and partial is None:
-            dirs = [d for d in root.iterdir() if d.name != Path(first_uri).name]
+            dirs = [d for d in root.glob("snapshot-*") if d.name != Path(first_uri).name]
             if dirs and any(p.suffix == ".arrow" for p in dirs[0].rglob("*")):
                 partial = dirs[0]
             time.sleep(0.05)
@@ -334,7 +334,7 @@ if __name__ == "__main__":
     removed = StagingStore.gc(str(root), keep_latest_k=2)
     assert str(partial) in removed
     assert StagingStore.latest(str(root)) == newer.uri
-    assert sorted(p.name for p in root.iterdir()) == sorted(
+    assert sorted(p.name for p in root.glob("snapshot-*")) == sorted(
         [Path(first_uri).name, Path(newer.uri).name]
     )
 

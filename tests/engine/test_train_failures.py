@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from rollout_recovery.campaign.crash_points import JOB
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.engine
 SMALL = [
@@ -67,36 +69,46 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory) -> Path:
-    """A 2-step run killed (its whole process group) right after step 1's snapshot was
-    published and before step 1 reached the step log; then restored to the end."""
-    run_dir = tmp_path_factory.mktemp("run") / "ckpt"
-    crash = {"ROLLOUT_RECOVERY_CRASH_AT": "after_trainer_snapshot@1"}
-    proc, _ = _train(run_dir, env=crash)
-    assert proc.returncode == -9, proc.stderr[-3000:]
-    assert not (run_dir / "steps.jsonl").exists() or _steps(run_dir) == []
-    assert (run_dir / "trainer" / "step-000001" / "meta.json").is_file()
-    proc, _ = _train(run_dir, restore=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return run_dir
+def finished_run(crash_chain) -> Path:
+    """A 3-step run killed three times in a row (the reduced crash campaign's run, shared
+    through tests/conftest.py), the last time right after step 2's snapshot was published and
+    before step 2 reached the step log; then restored to the end."""
+    work, result = crash_chain
+    [case] = result.cases
+    assert case.violations == [] and case.crashes[-1] == "after_trainer_snapshot@1"
+    return work / case.case / "run"
 
 
 def test_a_step_whose_log_line_was_lost_is_logged_after_the_restore(finished_run):
     records = _steps(finished_run)
-    assert [r["step"] for r in records] == [1, 2]
-    assert records[0]["logged_from"] == "trainer_checkpoint" and records[0]["loss"] is not None
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1]["logged_from"] == "trainer_checkpoint" and records[1]["loss"] is not None
+    assert all("logged_from" not in r for r in (records[0], records[2]))
     events = [json.loads(x) for x in (finished_run / "steps.jsonl").read_text().splitlines()
               if "event" in x]  # fmt: skip
-    assert [e["event"] for e in events] == ["restore"] and events[0]["step"] == 1
+    assert [e["event"] for e in events] == ["restore"] * 3 and events[-1]["step"] == 2
 
 
 def test_restoring_a_finished_run_is_refused(finished_run, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     before = _tree(run_dir)
-    proc, took = _train(run_dir, restore=True)
-    _one_line_refusal(proc, "already finished its 2 steps", "grpo.steps")
+    proc, took = _train(run_dir, *JOB, restore=True)
+    _one_line_refusal(proc, "already finished its 3 steps", "grpo.steps")
     assert _tree(run_dir) == before and took < 60
+
+
+def test_a_crash_after_the_last_snapshot_loses_no_log_line(finished_run, tmp_path):
+    """Killed after the last step's snapshot and before its log line: the restore finds the
+    run finished, says so, and writes the lost line from the trainer checkpoint."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    lines = (run_dir / "steps.jsonl").read_text().splitlines()
+    (run_dir / "steps.jsonl").write_text("\n".join(lines[:-1]) + "\n")  # step 3's line lost
+    proc, took = _train(run_dir, *JOB, restore=True)
+    _one_line_refusal(proc, "already finished its 3 steps", "step 3's log line")
+    assert [r["step"] for r in _steps(run_dir)] == [1, 2, 3] and took < 60
+    assert _steps(run_dir)[-1]["logged_from"] == "trainer_checkpoint"
 
 
 def test_a_fresh_run_over_an_existing_one_is_refused(finished_run, tmp_path):
@@ -124,7 +136,7 @@ def test_a_restore_with_another_model_is_refused_before_loading_anything(finishe
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     before = _tree(run_dir)
-    proc, _ = _train(run_dir, f"policy.model_path={other}", "grpo.steps=3", restore=True)
+    proc, _ = _train(run_dir, *JOB, f"policy.model_path={other}", "grpo.steps=4", restore=True)
     _one_line_refusal(proc, "continued by other weights", "policy.model_path")
     assert _tree(run_dir) == before
     assert "Started a local Ray instance" not in proc.stderr  # refused before anything started
@@ -141,7 +153,7 @@ def test_when_every_snapshot_is_unusable_nothing_restarts_and_nothing_is_deleted
         manifest = snap / "MANIFEST.json"
         manifest.write_bytes(manifest.read_bytes()[:-40])  # torn
     before = _tree(run_dir)
-    proc, _ = _train(run_dir, "grpo.steps=3", restore=True)
+    proc, _ = _train(run_dir, *JOB, "grpo.steps=4", restore=True)
     line = _one_line_refusal(proc, "no usable snapshot", "nothing was deleted", "checkpoint_dir")
     assert all(snap.name in line for snap in snapshots)
     assert "starting from step 0" not in proc.stdout
@@ -163,7 +175,7 @@ def test_a_read_only_checkpoint_location_is_refused_at_once(finished_run, tmp_pa
         shutil.copytree(finished_run, mnt / "run")
         before = _tree(mnt / "run")
         subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
-        proc, took = _train(mnt / "run", "grpo.steps=3", restore=True)
+        proc, took = _train(mnt / "run", *JOB, "grpo.steps=4", restore=True)
         _one_line_refusal(proc, "Read-only file system", "checkpointing.checkpoint_dir")
         assert _tree(mnt / "run") == before and took < 60
 
@@ -195,7 +207,7 @@ def test_a_damaged_newest_snapshot_is_skipped_on_the_terminal_and_in_the_step_lo
     data = bytearray(arrow.read_bytes())
     data[len(data) // 2] ^= 0x40  # one flipped bit
     arrow.write_bytes(bytes(data))
-    overrides = [f"checkpointing.checkpoint_dir={run_dir}", *SMALL, "grpo.steps=3"]
+    overrides = [f"checkpointing.checkpoint_dir={run_dir}", *SMALL, *JOB, "grpo.steps=4"]
     cfg = load_config(REPO / "configs" / "prefix_recovery.yaml", overrides)
     storage = RunStorage(str(run_dir))
     plan = plan_restore(cfg, storage)

@@ -165,7 +165,7 @@ def test_snapshots_of_an_unpublished_directory(tmp_path, capsys):
     (snap / "shard-000" / "replay.0000.arrow").write_bytes(b"12345")
     assert main(["snapshots", "ls", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out.splitlines()[2].split() == [
-        snap.name, "unpublished", "-", "-", "-", "-", "-", "5",
+        snap.name, "unpublished", "-", "-", "-", "-", "-", "5", "-", "-",
     ]  # fmt: skip
     assert main(["snapshots", "show", str(snap), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)

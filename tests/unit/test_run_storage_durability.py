@@ -1,0 +1,86 @@
+"""RunStorage (trainer checkpoints, logs, batches) is durable once a call returns: checked by
+losing power in the fault-injecting filesystem the run is put behind, as the crash campaign
+does. A break-it test shows the check notices a missing directory sync."""
+
+from __future__ import annotations
+
+import errno
+
+import pyarrow.fs as pafs
+import pytest
+
+from rollout_recovery import faults, storage
+from rollout_recovery.faultfs import fault_filesystem
+from rollout_recovery.storage import RunStorage, StorageError
+
+
+@pytest.fixture
+def faulty(tmp_path, monkeypatch):
+    """A run directory behind the fault filesystem (as ROLLOUT_RECOVERY_FAULTFS arms it)."""
+    monkeypatch.setenv(faults.FAULTFS_ENV, str(tmp_path / "state"))
+    run = RunStorage(str(tmp_path / "run"))
+    handler = fault_filesystem(pafs.LocalFileSystem(), tmp_path / "state").handler
+    assert run.fs.handler.get_type_name() == "faultfs" and run.local and not run.object_store
+    return run, handler, tmp_path / "run"
+
+
+def test_what_returned_survives_a_power_loss(faulty):
+    run, handler, root = faulty
+    run.write_bytes("trainer/step-000001/meta.json", b'{"step": 1}')
+    run.append_line("steps.jsonl", "one")
+    run.append_line("steps.jsonl", "two")
+    run.write_bytes("trainer/step-000001/meta.json", b'{"step": 1, "again": true}')
+    handler.power_loss()
+    assert (root / "trainer/step-000001/meta.json").read_bytes() == b'{"step": 1, "again": true}'
+    assert run.read_lines("steps.jsonl") == ["one", "two"]
+
+
+def test_a_delete_that_returned_stays_deleted(faulty):
+    run, handler, root = faulty
+    run.write_bytes("trainer/step-000001/meta.json", b"{}")
+    run.delete_file("trainer/step-000001/meta.json")
+    run.write_bytes("trainer/step-000002/meta.json", b"{}")
+    run.delete_dir("trainer/step-000002")
+    handler.power_loss()
+    assert not (root / "trainer/step-000001/meta.json").exists()
+    assert not (root / "trainer/step-000002").exists()
+
+
+def test_the_check_catches_a_write_whose_directory_was_not_synced(faulty, monkeypatch):
+    """Break it on purpose: without the directory syncs the new checkpoint is lost."""
+    run, handler, root = faulty
+    monkeypatch.setattr(storage, "sync_dir", lambda fs, path: None)
+    monkeypatch.setattr(storage, "make_dirs", lambda fs, path: fs.create_dir(path))
+    run.write_bytes("trainer/step-000001/meta.json", b"{}")
+    handler.power_loss()
+    assert not (root / "trainer/step-000001/meta.json").exists()
+
+
+def test_a_failed_move_keeps_the_old_file_and_leaves_no_temporary(faulty):
+    run, handler, _ = faulty
+    run.write_bytes("batches/step-000001.arrow", b"old")
+    handler.fail("move", "*step-000001.arrow*", error=errno.EIO)
+    with pytest.raises(StorageError, match="cannot write"):
+        run.write_bytes("batches/step-000001.arrow", b"new")
+    handler.power_loss()
+    assert run.read_bytes("batches/step-000001.arrow") == b"old"
+    assert run.leftover_temporaries() == []
+
+
+def test_temporaries_a_crash_left_are_found(tmp_path):
+    run = RunStorage(str(tmp_path / "run"))
+    run.write_bytes("trainer/step-000001/state.safetensors", b"x")
+    (tmp_path / "run/trainer/step-000001/state.safetensors.tmp-0a1b2c3d").write_bytes(b"half")
+    assert run.leftover_temporaries() == ["trainer/step-000001/state.safetensors.tmp-0a1b2c3d"]
+    run.delete_file(run.leftover_temporaries()[0])
+    assert run.leftover_temporaries() == []
+
+
+def test_a_new_run_directory_made_by_the_writability_check_survives_a_power_loss(faulty):
+    """The check creates the run's root; its name must be durable before anything under it
+    counts (the campaign found a whole run lost to a power loss when it was not)."""
+    run, handler, root = faulty
+    run.check_writable()
+    run.write_bytes("trainer/step-000001/meta.json", b"{}")
+    handler.power_loss()
+    assert (root / "trainer/step-000001/meta.json").read_bytes() == b"{}"
