@@ -82,7 +82,8 @@ def crash_point_campaign(full: bool, points: list[str] | None, workdir: Path, pa
     else:
         points, chains, power_loss = [], [CHAINS[0]], True
     print(f"crash-point campaign ({'full' if full else 'reduced'}) in {workdir}", flush=True)
-    result = run_crash_campaign(workdir, points, power_loss, chains, parallel, progress)
+    result = run_crash_campaign(workdir, points, power_loss, chains, parallel, progress,
+                                reference_alongside=not full)  # fmt: skip
     print(result.table())
     return result
 

@@ -39,7 +39,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -306,7 +306,10 @@ def reached_after_anchor(arrivals: dict[str, list[dict]], point: str) -> int:
 # ---------------------------------------------------------------------- one case
 
 
-def run_case(case: Case, ref_dir: str, workdir: Path) -> CaseResult:
+def run_case(case: Case, reference: str | Future, workdir: Path) -> CaseResult:
+    """Run one case; `reference` is the reference run's directory, or a future of
+    trace_reference's result when the reference runs alongside (waited for before the
+    checks)."""
     t0 = time.monotonic()
     out = CaseResult(case.name, case.kind, [c.armed() for c in case.crashes], case.power_loss)
     where = workdir / case.name
@@ -353,6 +356,7 @@ def run_case(case: Case, ref_dir: str, workdir: Path) -> CaseResult:
             )
         else:
             (where / "case.json").write_text(json.dumps({"states": states, "starts": starts}))
+            ref_dir = reference.result()[0] if isinstance(reference, Future) else reference
             check_recovered(out, ref_dir, run_dir, states, starts)
     if out.violations and out.outcome != "not_reached":
         out.outcome = "violation"
@@ -531,17 +535,18 @@ def _check_orphans(out: CaseResult, run_dir: str) -> None:
 
 
 def plan_cases(
-    arrivals: dict[str, list[dict]],
+    arrivals: dict[str, list[dict]] | None,
     points: Iterable[str],
     power_loss: bool,
     chains: Iterable[list[str]] = (),
 ) -> tuple[list[Case], list[str]]:
     """The cases for `points` (each alone; with power_loss also each under power loss) and,
     per chain, one case crashing at every point of it in a row under power loss; plus the
-    points the job never reaches after its anchor."""
+    points the job never reaches after its anchor (None: the reference is not traced yet,
+    every point is planned and an unreached one ends `not_reached`)."""
     cases, unreached = [], []
     for point in points:
-        if not reached_after_anchor(arrivals, point):
+        if arrivals is not None and not reached_after_anchor(arrivals, point):
             unreached.append(point)
             continue
         crash = Crash(point, anchored=True)
@@ -549,7 +554,7 @@ def plan_cases(
         if power_loss:
             cases.append(Case(f"{point}+power_loss", [crash], power_loss=True))
     for chain in chains:
-        if not reached_after_anchor(arrivals, chain[0]):
+        if arrivals is not None and not reached_after_anchor(arrivals, chain[0]):
             raise RuntimeError(f"a chain's first point {chain[0]} is never reached")
         # A restore always has a snapshot to return to: later crashes count from its start.
         crashes = [Crash(chain[0], anchored=True)] + [Crash(p) for p in chain[1:]]
@@ -614,20 +619,30 @@ def run_crash_campaign(
     chains: Iterable[list[str]] = (),
     parallel: int = 1,
     progress: Callable[[CaseResult], None] | None = None,
+    reference_alongside: bool = False,
 ) -> CrashCampaignResult:
-    """The reference, then every planned case (`parallel` at a time: each is a few
-    single-process-heavy runs, so two share two cores well)."""
+    """The reference, then every planned case, `parallel` at a time (each is a few runs
+    that are busy on one core mostly, so two share two cores well). `reference_alongside`
+    runs the reference beside the cases instead of first: the cases need it only for their
+    checks (anchored crashes count arrivals from the anchor, not from the trace), but points
+    the job never reaches are then found by running them."""
     t0 = time.monotonic()
-    ref_dir, arrivals = trace_reference(workdir)
-    cases, unreached = plan_cases(arrivals, points, power_loss, chains)
+    with ThreadPoolExecutor(max_workers=max(1, parallel) + reference_alongside) as pool:
+        if reference_alongside:
+            reference: str | Future = pool.submit(trace_reference, workdir)
+            cases, unreached = plan_cases(None, points, power_loss, chains)
+        else:
+            reference, arrivals = trace_reference(workdir)
+            cases, unreached = plan_cases(arrivals, points, power_loss, chains)
 
-    def one(case: Case) -> CaseResult:
-        result = run_case(case, ref_dir, workdir)
-        if progress is not None:
-            progress(result)
-        return result
+        def one(case: Case) -> CaseResult:
+            result = run_case(case, reference, workdir)
+            if progress is not None:
+                progress(result)
+            return result
 
-    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
         results = list(pool.map(one, cases))
+        if isinstance(reference, Future):
+            arrivals = reference.result()[1]
     counts = {p: len(arrivals.get(p, [])) for p in crashpoints.POINTS}
     return CrashCampaignResult(results, unreached, counts, time.monotonic() - t0)

@@ -58,6 +58,20 @@ class RunState:
                            weights_sha256=self.weights_sha256)  # fmt: skip
 
 
+async def _to_the_end(work: Awaitable[None]) -> None:
+    """Await `work` to its end even if the caller is cancelled meanwhile (the cancellation
+    is raised after it). A release cut short by the cadence's cancellation would leave the
+    environment's admission closed and the workers' fences held until their leases ran
+    out: every following attempt fails with "prepare ... while committed" (found by the
+    crash campaign)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
+
+
 class CheckpointCoordinator:
     def __init__(
         self,
@@ -172,6 +186,9 @@ class CheckpointCoordinator:
 
         try:
             cuts, records, snap, snapshot_s = await asyncio.wait_for(steps(), timeout)
+        except asyncio.CancelledError:  # the cadence stopped (its work ended) mid-attempt
+            gate.abort()
+            raise
         except Exception as err:
             self.metrics.add("checkpoint_failures")
             late = not gate.abort()  # False: it was published before the abort landed
@@ -185,7 +202,7 @@ class CheckpointCoordinator:
             raise
         finally:
             fence_s = time.monotonic() - t0
-            await self._release(ckpt_id, epoch, fenced)
+            await _to_the_end(self._release(ckpt_id, epoch, fenced))
         crash_point("fences_released")
         keep = self.cfg.rollout_checkpointing.keep_latest_k
         StagingStore.gc(self.snapshot_root, keep, owner=self.owner)
