@@ -37,7 +37,9 @@ def test_grpo_driver_learns_the_toy_task_and_checkpoints(ray_session, tiny_cfg, 
     root = str(tmp_path / "run" / "data_plane")
     latest = StagingStore.latest(root)
     assert latest is not None
-    assert len([p for p in (tmp_path / "run" / "data_plane").iterdir()]) == 2  # keep_latest_k
+    data_plane = tmp_path / "run" / "data_plane"
+    assert len(list(data_plane.glob("snapshot-*"))) == 2  # keep_latest_k
+    assert (data_plane / "ownership").is_dir()  # the owner claim and the publish entries
     # Every rollout was consumed exactly once: the replay partition is empty in the snapshot.
     store = StagingStore.create(num_shards=1)
     try:
