@@ -62,3 +62,30 @@ def local_s3(bucket: str, prefix: str) -> Iterator[str]:
                "&scheme=http&region=us-east-1&allow_bucket_creation=true")  # fmt: skip
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def coordinator_without_engines(store, run_dir, *overrides: str):
+    """A real CheckpointCoordinator over `store`, a real environment actor and no workers,
+    owning `run_dir`'s snapshot root; yields (coordinator, environment client, run storage)."""
+    from rollout_recovery.config import load_config
+    from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
+    from rollout_recovery.controller.metrics import RunMetrics
+    from rollout_recovery.controller.selection import DATA_PLANE
+    from rollout_recovery.data_plane import StagingStore
+    from rollout_recovery.environment.client import EnvironmentClient
+    from rollout_recovery.generation.pool import WorkerPool
+    from rollout_recovery.storage import RunStorage
+
+    cfg = load_config(None, [f"checkpointing.checkpoint_dir={run_dir}", *overrides])
+    storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+    env = EnvironmentClient.start(cfg.environment_config(), WorkerPool([]), store)
+    try:
+        owner = StagingStore.claim(storage.child_uri(DATA_PLANE))
+        coordinator = CheckpointCoordinator(
+            cfg.checkpoint_config(), RunState({"path": "tiny://default"}), store,
+            WorkerPool([]), env, storage, RunMetrics(), owner,
+        )  # fmt: skip
+        yield coordinator, env, storage
+    finally:
+        env.close()

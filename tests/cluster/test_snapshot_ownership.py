@@ -17,7 +17,12 @@ import pytest
 from rollout_recovery.data_plane import StagingStore, ownership, snapshot_io
 from rollout_recovery.data_plane.ownership import Owner, OwnerFenced, OwnershipConflict
 from rollout_recovery.errors import RecoveryError
-from tests.cluster.store_helpers import by_key, local_s3, replay_table
+from tests.cluster.store_helpers import (
+    by_key,
+    coordinator_without_engines,
+    local_s3,
+    replay_table,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -314,25 +319,10 @@ async def test_the_coordinator_stops_when_fenced(make_store, tmp_path):
     """A real CheckpointCoordinator (real store, real environment actor, no engines): once a
     newer controller claimed the run, its next checkpoint raises OwnerFenced at once, not a
     retried failure, and the checkpoint log says why."""
-    from rollout_recovery.config import load_config
-    from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
-    from rollout_recovery.controller.metrics import RunMetrics
-    from rollout_recovery.controller.selection import DATA_PLANE
-    from rollout_recovery.environment.client import EnvironmentClient
-    from rollout_recovery.generation.pool import WorkerPool
-    from rollout_recovery.storage import RunStorage
-
-    cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}",
-                             "rollout_checkpointing.max_consecutive_failures=3"])  # fmt: skip
-    storage = RunStorage(cfg.checkpointing.checkpoint_dir)
-    store = make_store(1)
-    env = EnvironmentClient.start(cfg.environment_config(), WorkerPool([]), store)
-    try:
-        owner = StagingStore.claim(storage.child_uri(DATA_PLANE))
-        coordinator = CheckpointCoordinator(
-            cfg.checkpoint_config(), RunState({"path": "tiny://default"}), store,
-            WorkerPool([]), env, storage, RunMetrics(), owner,
-        )  # fmt: skip
+    run_dir = tmp_path / "run"
+    with coordinator_without_engines(
+        make_store(1), run_dir, "rollout_checkpointing.max_consecutive_failures=3"
+    ) as (coordinator, _env, storage):
         first = await coordinator.counted("trainer_checkpoint")
         assert first is not None and StagingStore.latest(coordinator.snapshot_root)
         newer = StagingStore.claim(coordinator.snapshot_root)
@@ -344,5 +334,3 @@ async def test_the_coordinator_stops_when_fenced(make_store, tmp_path):
         assert StagingStore.latest(coordinator.snapshot_root) == first["checkpoint"]
         lines = storage.read_lines("checkpoints.jsonl")
         assert "fenced" in lines[-1] and f"epoch {newer.epoch}" in lines[-1]
-    finally:
-        env.close()
