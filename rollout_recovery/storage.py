@@ -127,10 +127,10 @@ class RunStorage:
                     out.write(data)
                 sync_file(self.fs, tmp)
                 self.fs.move(tmp, target)
-            finally:
+            except OSError:  # the temporary file must not outlive a failed write
                 with contextlib.suppress(OSError):
-                    if self.fs.get_file_info(tmp).type == pafs.FileType.File:
-                        self.fs.delete_file(tmp)
+                    self.fs.delete_file(tmp)
+                raise
             sync_dir(self.fs, parent)
         except OSError as err:
             raise StorageError(f"cannot write {self.display(rel)}: {_reason(err)}") from err
