@@ -369,13 +369,13 @@ def check_restored_once(
     return out
 
 
-def compare_states(ref_dir: str, rec_dir: str, step: int, max_turns: int) -> list[str]:
-    """Every episode's final tool state equals the reference's, with each turn's effect
-    applied once. Episodes that had finished before the crash report no state (their tokens,
-    which show every tool result, are compared with the batch)."""
+def compare_results(ref_dir: str, rec_dir: str, step: int, max_turns: int) -> list[str]:
+    """Every episode function's result equals the reference's (the built-in task's: its tally
+    and each turn's effect once). Episodes that had finished before the crash report no result
+    (their tokens, which show every tool result, are compared with the batch)."""
     from rollout_recovery.storage import RunStorage
 
-    name = f"batches/step-{step:06d}.states.json"
+    name = f"batches/step-{step:06d}.results.json"
     ref = json.loads(RunStorage(ref_dir).read_bytes(name))
     rec = json.loads(RunStorage(rec_dir).read_bytes(name))
     out = []
@@ -383,8 +383,8 @@ def compare_states(ref_dir: str, rec_dir: str, step: int, max_turns: int) -> lis
         if state is None:
             continue
         if state != ref.get(key):
-            out.append(f"step {step}: {key} ended with tool state {state}, not {ref.get(key)}")
-        elif state["effects"] != list(range(max_turns - 1)):
+            out.append(f"step {step}: {key} ended with result {state}, not {ref.get(key)}")
+        elif "tally" in state and state["effects"] != list(range(max_turns - 1)):
             out.append(f"step {step}: {key} tool effects {state['effects']} (each turn once)")
     return out
 
@@ -580,7 +580,7 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         if loss_diff != 0.0:
             # The trainer's step depends only on tokens, masks and rewards: equal, not close.
             violations.append(f"step {step}: loss differs by {loss_diff:.3g}")
-        violations += compare_states(ref_dir, rec_dir, step, args.max_turns)
+        violations += compare_results(ref_dir, rec_dir, step, args.max_turns)
     violations += evidence.check_logprobs(
         details, args.min_identical_logprobs, args.max_logprob_diff
     )

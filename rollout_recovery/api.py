@@ -56,7 +56,7 @@ class GroupResult:
     rows: list[ReplayRow]
     rewards: list[float]
     generated_tokens: int
-    states: list[dict | None]  # each episode's final tool state (None: restored finished)
+    results: list  # what each episode function returned (None: finished before a restore)
 
 
 class RolloutRecovery:
@@ -83,7 +83,9 @@ class RolloutRecovery:
         self.store = StagingStore.create(num_shards=1)
         self.workers = WorkerPool.start(self.cfg, store=self.store)
         env_cfg, ckpt_cfg = self.cfg.environment_config(), self.cfg.checkpoint_config()
-        self.env = EnvironmentClient.start(env_cfg, self.workers, self.store)
+        scratch = self.storage.local_path("scratch")
+        self.env = EnvironmentClient.start(env_cfg, self.workers, self.store,
+                                           str(scratch) if scratch else None)  # fmt: skip
         self.coordinator = CheckpointCoordinator(ckpt_cfg, self.state, self.store, self.workers,
                                                  self.env, self.storage, self.metrics,
                                                  self.owner)  # fmt: skip
@@ -103,23 +105,21 @@ class RolloutRecovery:
         self.store, self.env = None, None
 
     def submit_groups(
-        self,
-        groups: list[tuple[str, list[dict]]],
-        seeds: Callable[[int, int], int],
-        reward_fn: Callable[[str], float],
+        self, groups: list[tuple[str, dict]], seeds: Callable[[int, int], int]
     ) -> list[GroupResult]:
-        """Run `grpo.generations_per_prompt` episodes per (group id, messages) pair,
-        concurrently, in the environment, checkpointing on the cadence meanwhile; each
-        finished episode becomes a `replay` row. `seeds(group, gen)` gives each generation
-        its own sampler seed. Episodes whose row is already stored are not run again, and
-        episodes a restore brought back continue from their record."""
+        """Run `grpo.generations_per_prompt` episodes of `environment.episode` per (group id,
+        task) pair, concurrently, in the environment, checkpointing on the cadence meanwhile;
+        each finished episode, scored by `environment.reward`, becomes a `replay` row.
+        `seeds(group, gen)` gives each generation its own sampler seed. Episodes whose row is
+        already stored are not run again, and episodes a restore brought back replay their
+        journal."""
         n = self.cfg.grpo.generations_per_prompt
         table = [[seeds(gi, i) for i in range(n)] for gi in range(len(groups))]
-        work = self.env.run_groups(groups, table, reward_fn, self.state.weight_version)
+        work = self.env.run_groups(groups, table, self.state.weight_version)
         out = self._loop.run(self.coordinator.alongside(work))
         parts = [(gid, out[gi * n : (gi + 1) * n]) for gi, (gid, _) in enumerate(groups)]
         return [GroupResult(gid, [o.row for o in part], [o.row.reward for o in part],
-                            sum(o.decoded_tokens for o in part), [o.state for o in part])
+                            sum(o.decoded_tokens for o in part), [o.result for o in part])
                 for gid, part in parts]  # fmt: skip
 
     def take_batch(self, max_rows: int, ttl_s: float = 600.0) -> LeaseResult:

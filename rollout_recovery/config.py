@@ -35,6 +35,7 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -44,6 +45,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic.fields import FieldInfo
+
+from rollout_recovery.imports import ImportPathError, load_callable
 
 TINY_MODEL_SCHEME = "tiny://"
 HUB_MODEL_SCHEME = "hf://"
@@ -384,12 +387,43 @@ class GrpoConfig(_Block):
     seed, so a run and its restore sample the same."""
 
 
+def _import_path(value: str | None) -> str | None:
+    """Refuse an import path that does not name a function, when the config loads."""
+    if value:
+        try:
+            load_callable(value)
+        except ImportPathError as err:
+            raise ValueError(f"{err}; set it to package.module:function, importable here") from None
+    return value
+
+
+ImportPath = Annotated[str, AfterValidator(_import_path)]
+
+
 class EnvironmentConfig(_Block):
-    """The episodes the rollout environment runs."""
+    """The episodes the rollout environment runs (docs/episodes.md)."""
+
+    episode: ImportPath = "rollout_recovery.episodes.tally:episode"
+    """The episode function, `package.module:function`: `async def episode(ctx, task)`. Every model
+    call, side effect and random draw goes through `ctx` so a restore can replay it. Imported when
+    the config loads and by the environment actor, so it must be importable in both."""
+
+    reward: ImportPath | None = "rollout_recovery.episodes.tally:reward"
+    """`package.module:function` scoring a finished episode, `reward(task, result) -> float`, where
+    `result` is what the episode function returned. Empty (null): the result is the reward."""
+
+    tasks: ImportPath = "rollout_recovery.episodes.tally:tasks"
+    """`package.module:function` making the shipped GRPO driver's tasks, `tasks(n, seed) -> list`
+    of JSON objects; each reaches one GRPO group's episodes as `task`."""
 
     max_turns: Int = Field(1, ge=1, le=16)
-    """Model calls per episode. 1 is single-turn GRPO; more makes multi-turn episodes where the
-    tally tool acts between calls (needs `token_capture.supply_prefix_token_ids=true`)."""
+    """Model calls per episode, as the episode function reads it (`ctx.max_turns`). The built-in
+    tally task is single-turn GRPO at 1; more makes multi-turn episodes with a tool between calls
+    (needs `token_capture.supply_prefix_token_ids=true`)."""
+
+    scratch_dir: str | None = None
+    """Local directory holding each episode's `ctx.scratch_dir` (state a tool keeps outside the
+    process). Empty: `scratch/` under `checkpointing.checkpoint_dir` when that is local."""
 
 
 class _ComponentConfig(_Block):
@@ -427,7 +461,7 @@ class EnvironmentActorConfig(_ComponentConfig):
     """`generation`: each call's temperature and token budget."""
 
     environment: EnvironmentConfig
-    """Turns per episode."""
+    """The episode and reward functions, turns per episode, the scratch directory."""
 
     token_capture: TokenCaptureConfig
     """Prefix supply, token-id requests, and the staging partition cleaned at each commit."""

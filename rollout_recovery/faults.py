@@ -8,7 +8,9 @@ through their Ray runtime environment. Nothing sets it outside tests.
 - `resume_disabled`: workers silently drop every continuation and decode restored calls from
   scratch, counting no refusal (what a silent regression would look like);
 - `redecode_committed_turns`: a restore re-admits every episode from its first prompt, so
-  its committed turns are decoded again (no refusal counted either).
+  its committed turns are decoded again (no refusal counted either);
+- `effect_dedupe_disabled`: the notes episode's store applies an operation again even when its
+  effect id is already logged, so a re-executed effect is applied twice.
 
 `ROLLOUT_RECOVERY_FAULTFS=<state dir>` puts every local path the run resolves (snapshots,
 trainer checkpoints, logs) behind the fault-injecting filesystem (faultfs.py) sharing that
@@ -24,7 +26,7 @@ import pyarrow.fs as pafs
 
 ENV = "ROLLOUT_RECOVERY_FAULTS"
 FAULTFS_ENV = "ROLLOUT_RECOVERY_FAULTFS"
-FAULTS = ("resume_disabled", "redecode_committed_turns")
+FAULTS = ("resume_disabled", "redecode_committed_turns", "effect_dedupe_disabled")
 
 
 def armed() -> set[str]:

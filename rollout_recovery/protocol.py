@@ -301,24 +301,38 @@ def resume_request(xargs: dict) -> ResumeRequest | None:
 
 # ---------------------------------------------------------------- episode records and ledgers
 
-EPISODE_RECORD_FORMAT = 1
+EPISODE_RECORD_FORMAT = 2  # 2: episode functions (task and journal replace messages/state)
 LEDGER_FORMAT = 3  # 3: the model identity (base model, weight version and digest)
 
 
 class TurnRef(BaseModel):
-    """A committed turn in an episode record: its token entry, by id and payload digest (the
-    tokens stay in the data plane), and where its request ends in the conversation."""
+    """A committed model call in an episode record: its token entry, by id and payload digest
+    (the tokens stay in the data plane)."""
 
     model_config = ConfigDict(extra="forbid")
 
     entry_id: str
     payload_sha256: str
-    request_messages: int  # the call's request was messages[:request_messages]
+
+
+class JournalStep(BaseModel):
+    """One completed step of an episode function, in the order the function took it. A replay
+    answers the step from here when the function asks for the same thing again (same kind,
+    name and request digest); anything else is a divergence."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["chat", "effect", "random"]
+    name: str  # chat: the model call id (c0, c1, ...); effect: its name; random: "random"
+    request_sha256: str  # chat: messages + sampling fields; effect: name + arguments
+    result: Any = None  # chat: {"message", "response"?}; effect and random: the value returned
+    turn: int | None = None  # chat: its index in the record's turns
 
 
 class EpisodeRecord(BaseModel):
-    """An unfinished episode as a checkpoint keeps it: restoring it re-admits the episode as
-    attempt + 1 from its last committed turn (or from its in-flight call's cut)."""
+    """An unfinished episode as a checkpoint keeps it: restoring it runs the episode function
+    again as attempt + 1, answering the journal's steps without decoding or running effects,
+    and resumes the call in flight from its cut."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -328,8 +342,9 @@ class EpisodeRecord(BaseModel):
     generation_index: int
     seed: int
     attempt: int
-    messages: list[dict[str, Any]]
-    state: dict[str, Any] | None
+    restarts: int = 0  # fresh starts after a refused record or a divergence (names effect ids)
+    task: dict[str, Any]
+    journal: list[JournalStep] = []
     turns: list[TurnRef] = []
     continuation: Continuation | None = None
 
@@ -376,4 +391,4 @@ class EpisodeOutcome(NamedTuple):
 
     row: ReplayRow  # its training row (already durable in `replay`)
     decoded_tokens: int  # tokens the engines decoded for it in this run
-    state: dict[str, Any] | None  # the tool's final state (None: finished before a restore)
+    result: Any  # what the episode function returned (None: finished before a restore)

@@ -6,7 +6,10 @@
 
 - controller: `checkpoints`, `checkpoint_failures`, `fence_hold_s`, `release_errors`;
 - environment: `restored_episodes`, `restored_calls`, `restored_prefix_tokens`,
-  `restored_turn_tokens`, `tail_tokens`, `regenerated_tokens`, `tool_applications`,
+  `restored_turn_tokens`, `tail_tokens`, `regenerated_tokens`, `effects.executed` and
+  `effects.replayed` (episode effects run, and answered from a journal),
+  `journal.chat_replayed` (model calls answered from a journal), `replay_diverged.<reason>`
+  (a replay that asked for other steps than its journal: the episode started over),
   `chunk_rows_swept`, `lease_expiries`, `restore_refused.<reason>` (an episode record that
   started over), `capture.<event>` (model-call capture: resolutions, prefix supply, capture
   failures) and `lineage.resolve.<outcome>`;
@@ -37,7 +40,8 @@ FIXED = (
     "restored_turn_tokens",
     "tail_tokens",
     "regenerated_tokens",
-    "tool_applications",
+    "effects.executed",
+    "effects.replayed",
 )  # always present (zero when nothing happened), so step logs can be diffed
 RESUME_ACCEPTED = (
     "resume.resumed",

@@ -7,7 +7,6 @@ are synchronous.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -25,22 +24,24 @@ class EnvironmentClient:
 
     @classmethod
     def start(
-        cls, cfg: EnvironmentActorConfig, workers: WorkerPool, store, max_concurrency: int = 16
+        cls,
+        cfg: EnvironmentActorConfig,
+        workers: WorkerPool,
+        store,
+        scratch_root: str | None = None,
+        max_concurrency: int = 16,
     ) -> EnvironmentClient:
         """Host a `RolloutEnvironment` as a threaded actor and wait until it is constructed."""
         options = {"num_cpus": 0, "max_concurrency": max_concurrency}
-        client = cls(actor_class(RolloutEnvironment, **options).remote(cfg, workers, store))
+        actor = actor_class(RolloutEnvironment, **options)
+        client = cls(actor.remote(cfg, workers, store, scratch_root))
         client.counters()
         return client
 
     async def run_groups(
-        self,
-        groups: list[tuple[str, list[dict]]],
-        seeds: list[list[int]],
-        reward_fn: Callable[[str], float],
-        weight_version: int,
+        self, groups: list[tuple[str, dict]], seeds: list[list[int]], weight_version: int
     ) -> list[EpisodeOutcome]:
-        return await self.actor.run_groups.remote(groups, seeds, reward_fn, weight_version)
+        return await self.actor.run_groups.remote(groups, seeds, weight_version)
 
     async def prepare(self, ckpt: str, lease_s: float) -> dict:
         return await self.actor.prepare.remote(ckpt, lease_s)

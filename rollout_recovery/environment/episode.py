@@ -1,38 +1,33 @@
 """One episode (rollout) as the environment runs it, and its checkpoint record.
 
-An episode is a conversation of up to `environment.max_turns` model calls. After every call
-but the last, the environment's tool acts on the episode's state and its result is the next
-message. The turns committed so far, the state, and (prefix level) the in-flight call's cut
-continuation make the episode's record: restoring it re-admits the episode as attempt + 1
-from its last committed turn, so no committed turn is decoded again and no tool effect is
-applied twice. A record names each turn's TokenEntry by id and payload digest; the tokens
-themselves are in the data plane's `token_entries` partition, in the same snapshot.
+An episode is a run of the configured episode function (environment/context.py). Its
+`EpisodeState` is the one object that holds the unit of work: identity, task, attempt, the
+journal of completed steps, the token entry of every model call, and - after a restore - the
+journal being replayed and the in-flight call's cut continuation. A record names each call's
+TokenEntry by id and payload digest; the tokens themselves are in the data plane's
+`token_entries` partition, in the same snapshot.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rollout_recovery.data_plane import ReplayRow
+from rollout_recovery.environment.context import JournalDiverged
 from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.protocol import (
     EPISODE_RECORD_FORMAT,
     Continuation,
     EpisodeRecord,
+    JournalStep,
     TurnRef,
     replay_key,
 )
-
-
-class ToolEffectRepeated(RuntimeError):
-    """A tool was asked to act twice for the same turn of an episode."""
 
 
 class RecordError(ValueError):
@@ -47,29 +42,6 @@ class TrajectoryError(RuntimeError):
     """An episode's turns do not form one token sequence (the prefix was not supplied)."""
 
 
-class TallyTool:
-    """A tool with a side effect on environment state: it adds the digits of the model's
-    reply (plus one) to the episode's tally and answers with the new tally. Repeating a turn
-    would be visible in the tally, in every later prompt and in the reward."""
-
-    name = "tally"
-
-    def __init__(self) -> None:
-        self.applications = 0  # effects applied by this environment process
-
-    @staticmethod
-    def initial_state() -> dict[str, Any]:
-        return {"tally": 0, "effects": []}
-
-    def apply(self, state: dict[str, Any], turn: int, reply: str) -> str:
-        if turn in state["effects"]:
-            raise ToolEffectRepeated(f"the {self.name} tool already acted for turn {turn}")
-        state["tally"] += sum(c.isdigit() for c in reply) + 1
-        state["effects"].append(turn)
-        self.applications += 1
-        return json.dumps({"tally": state["tally"]})
-
-
 def call_seed(seed: int, turn: int) -> int:
     """The sampler seed of an episode's call `turn` (turn 0 uses the episode's own seed)."""
     if turn == 0:
@@ -79,69 +51,68 @@ def call_seed(seed: int, turn: int) -> int:
 
 
 @dataclass
-class TurnRecord:
-    """A finished call: its token entry and where its messages sit in the conversation."""
-
-    entry: TokenEntry
-    request_messages: int  # the call's request was messages[:request_messages]
-
-
-@dataclass
-class Episode:
+class EpisodeState:
     rollout_id: str
     group_id: str
     generation_index: int
     seed: int
-    messages: list[dict]
-    state: dict[str, Any]
+    task: dict[str, Any]
     attempt: int = 0
-    turns: list[TurnRecord] = field(default_factory=list)
+    restarts: int = 0
+    journal: list[JournalStep] = field(default_factory=list)  # completed steps, in order
+    turns: list[TokenEntry] = field(default_factory=list)  # each model call's entry
+    replay: list[JournalStep] = field(default_factory=list)  # a restored journal to answer from
+    replay_turns: list[TokenEntry] = field(default_factory=list)  # its calls' entries
     continuation: Continuation | None = None  # the call in flight at the checkpoint
+    worker: int = 0  # the index of the worker its calls go to
+    decoded: int = 0  # tokens the engines decoded for it in this run
 
     @property
     def next_call_id(self) -> str:
         return f"c{len(self.turns)}"
 
-    @classmethod
-    def restart(cls, rec: EpisodeRecord, initial_state: dict[str, Any]) -> Episode:
-        """The record's episode from its first prompt, with nothing kept (attempt preserved):
-        what a record that cannot be restored exactly falls back to."""
-        first = rec.turns[0].request_messages if rec.turns else len(rec.messages)
-        return cls(**_identity(rec), messages=rec.messages[:first], state=initial_state)
+    def record_chat(self, step: JournalStep, entry: TokenEntry) -> None:
+        """A finished model call joins the journal and the turns together."""
+        self.journal.append(step)
+        self.turns.append(entry)
 
-    def replies(self) -> list[str]:
-        return [self.messages[t.request_messages].get("content") or "" for t in self.turns]
+    def journaled_entry(self, step: JournalStep) -> TokenEntry:
+        if step.turn is None or not 0 <= step.turn < len(self.replay_turns):
+            raise JournalDiverged("journal_turn", f"{step.name} names no committed call")
+        return self.replay_turns[step.turn]
 
-    def to_record(self) -> EpisodeRecord:
-        """The episode as it is now. Its messages and state are copied: the episode goes on
-        (a call in flight at the checkpoint finishes, its tool acts) while the record is
-        still on its way into the snapshot, which must hold this moment only."""
-        turns = [
-            TurnRef(
-                entry_id=t.entry.entry_id,
-                payload_sha256=t.entry.payload_sha256(),
-                request_messages=t.request_messages,
-            )
-            for t in self.turns
-        ]
+    def fresh_start(self) -> EpisodeState:
+        """The episode from the top with nothing kept, as the next attempt: what a record that
+        cannot be replayed exactly falls back to."""
+        return EpisodeState(self.rollout_id, self.group_id, self.generation_index, self.seed,
+                            self.task, self.attempt + 1, self.restarts + 1,
+                            worker=self.worker)  # fmt: skip
+
+    def to_record(self, continuation: Continuation | None) -> EpisodeRecord:
+        """The episode as it is now: its completed steps (copied: the episode goes on while
+        the record is on its way into the snapshot, which must hold this moment only). While
+        a restored episode has not replayed its journal yet, its record is the restored one."""
+        journal, turns = self.journal, self.turns
+        if len(self.replay) > len(self.journal):
+            journal, turns = self.replay, self.replay_turns
         return EpisodeRecord(
             rollout_id=self.rollout_id,
             group_id=self.group_id,
             generation_index=self.generation_index,
             seed=self.seed,
             attempt=self.attempt,
-            messages=copy.deepcopy(self.messages),
-            state=copy.deepcopy(self.state),
-            turns=turns,
-            continuation=self.continuation,
+            restarts=self.restarts,
+            task=copy.deepcopy(self.task),
+            journal=[s.model_copy(deep=True) for s in journal],
+            turns=[TurnRef(entry_id=e.entry_id, payload_sha256=e.payload_sha256()) for e in turns],
+            continuation=continuation,
         )
 
     @classmethod
-    def from_record(
-        cls, rec: EpisodeRecord, entries: Callable[[str], TokenEntry | None]
-    ) -> Episode:
-        """Rebuild an episode; `entries` looks a TokenEntry up by id. A missing entry or one
-        whose payload differs from the committed one raises RecordError."""
+    def from_record(cls, rec: EpisodeRecord, entries) -> EpisodeState:
+        """The restored episode, to replay as attempt + 1; `entries` looks a TokenEntry up by
+        id. A missing entry or one whose payload differs from the committed one raises
+        RecordError."""
         if rec.format != EPISODE_RECORD_FORMAT:
             raise RecordError("record_format", f"{rec.format!r} is not {EPISODE_RECORD_FORMAT}")
         turns = []
@@ -151,27 +122,34 @@ class Episode:
                 raise RecordError("missing_entry", f"{t.entry_id} is not in the snapshot")
             if entry.payload_sha256() != t.payload_sha256:
                 raise RecordError("entry_digest_mismatch", f"{t.entry_id} was changed")
-            turns.append(TurnRecord(entry, t.request_messages))
-        return cls(**_identity(rec), messages=rec.messages, state=rec.state, turns=turns,
+            turns.append(entry)
+        return cls(**_identity(rec), attempt=rec.attempt + 1, restarts=rec.restarts,
+                   replay=list(rec.journal), replay_turns=turns,
                    continuation=rec.continuation)  # fmt: skip
+
+    @classmethod
+    def restart(cls, rec: EpisodeRecord) -> EpisodeState:
+        """A record's episode from the top, nothing kept, as a fresh start."""
+        return cls(**_identity(rec), attempt=rec.attempt + 1, restarts=rec.restarts + 1)
 
 
 def _identity(rec: EpisodeRecord) -> dict[str, Any]:
-    """The fields that name a recorded episode and its attempt."""
+    """The fields that name a recorded episode and its task."""
     return rec.model_dump(include={"rollout_id", "group_id", "generation_index", "seed",
-                                   "attempt"})  # fmt: skip
+                                   "task"})  # fmt: skip
 
 
-def replay_row(ep: Episode, reward: float, weight_version: int) -> ReplayRow:
+def replay_row(ep: EpisodeState, reward: float, weight_version: int) -> ReplayRow:
     """The training row of a finished episode: the last call's prompt and generated tokens,
     with the loss mask and logprobs on every turn's generated tokens. Each turn's tokens must
     sit where the next call's prompt put them, otherwise the episode fails closed."""
-    last = ep.turns[-1].entry
+    if not ep.turns:
+        raise TrajectoryError(f"{ep.rollout_id}: the episode function made no model call")
+    last = ep.turns[-1]
     ids = np.asarray(last.cumulative_ids(), np.int32)
     mask = np.zeros(len(ids), np.int8)
     logprobs = np.zeros(len(ids), np.float32)
-    for t in ep.turns:
-        e = t.entry
+    for e in ep.turns:
         start, gen = len(e.prompt_token_ids), e.generated_token_ids
         if ids[start : start + len(gen)].tolist() != gen:
             raise TrajectoryError(
@@ -180,7 +158,7 @@ def replay_row(ep: Episode, reward: float, weight_version: int) -> ReplayRow:
             )
         mask[start : start + len(gen)] = 1
         logprobs[start : start + len(gen)] = e.generated_logprobs
-    first = ep.turns[0].entry
+    first = ep.turns[0]
     return ReplayRow(
         key=replay_key(ep.group_id, ep.generation_index),
         rollout_id=ep.rollout_id,

@@ -140,6 +140,13 @@ class LineageStore:
             self._tokens += len(cand.tokens)
             self._evict()
 
+    def forget(self, rollout_id: str) -> None:
+        """Drop a rollout's calls (it starts over: its new calls must not resolve to them)."""
+        with self._lock:
+            ro = self._rollouts.pop(rollout_id, None)
+            if ro is not None:
+                self._tokens -= ro.tokens
+
     def _evict(self) -> None:
         while len(self._rollouts) > 1 and (
             len(self._rollouts) > self.max_rollouts or self._tokens > self.max_tokens

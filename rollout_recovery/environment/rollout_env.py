@@ -10,11 +10,10 @@ behind a running `run_groups`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 
 from rollout_recovery import faults
 from rollout_recovery.config import EnvironmentActorConfig
-from rollout_recovery.environment.episode import Episode, RecordError
+from rollout_recovery.environment.episode import EpisodeState, RecordError
 from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import CheckpointRecords, EpisodeOutcome, EpisodeRecord
@@ -22,30 +21,28 @@ from rollout_recovery.runtime import LoopThread
 
 
 class RolloutEnvironment:
-    def __init__(self, cfg: EnvironmentActorConfig, workers: WorkerPool, store) -> None:
+    def __init__(
+        self,
+        cfg: EnvironmentActorConfig,
+        workers: WorkerPool,
+        store,
+        scratch_root: str | None = None,
+    ) -> None:
         self._loop = LoopThread("rollout-environment")
-        self.runner = EpisodeRunner(cfg, workers, store)
+        self.runner = EpisodeRunner(cfg, workers, store, scratch_root)
         self.refused: Counter[str] = Counter()  # restore_refused.<reason>
-
-    @property
-    def tool(self):
-        return self.runner.tool
 
     @property
     def sink(self):
         return self.runner.sink
 
     def run_groups(
-        self,
-        groups: list[tuple[str, list[dict]]],
-        seeds: list[list[int]],
-        reward_fn: Callable[[str], float],
-        weight_version: int,
+        self, groups: list[tuple[str, dict]], seeds: list[list[int]], weight_version: int
     ) -> list[EpisodeOutcome]:
-        """Run `len(seeds[g])` episodes per (group id, messages); one outcome per episode, in
+        """Run `len(seeds[g])` episodes per (group id, task); one outcome per episode, in
         order. Episodes whose row is already in `replay` are not run again; restored ones
-        continue from their record."""
-        return self._loop.run(self.runner.run_groups(groups, seeds, reward_fn, weight_version))
+        replay their journal."""
+        return self._loop.run(self.runner.run_groups(groups, seeds, weight_version))
 
     def prepare(self, ckpt: str, lease_s: float) -> dict:
         """Close admission and (prefix level) cut every in-flight call."""
@@ -67,18 +64,17 @@ class RolloutEnvironment:
         the restored store); returns how many episodes are unfinished. A record that cannot
         be restored exactly fails closed: its episode starts over, counted by reason. Chunk
         rows the records do not name belonged to calls that are gone: they are deleted."""
-        initial = self.runner.tool.initial_state
         entries = self.sink.get_many([t.entry_id for rec in records for t in rec.turns])
         episodes = []
         for rec in records:
             if rec.turns and faults.active("redecode_committed_turns"):
-                episodes.append(Episode.restart(rec, initial()))
+                episodes.append(EpisodeState.restart(rec))
                 continue
             try:
-                episodes.append(Episode.from_record(rec, entries.get))
+                episodes.append(EpisodeState.from_record(rec, entries.get))
             except RecordError as err:
                 self.refused[f"restore_refused.{err.reason}"] += 1
-                episodes.append(Episode.restart(rec, initial()))
+                episodes.append(EpisodeState.restart(rec))
         return self._loop.run(self.runner.load(restore_id, episodes))
 
     def counters(self) -> dict[str, int]:

@@ -1,18 +1,21 @@
-"""EpisodeRunner: the environment's async work on its own loop - running episodes against the
-workers, and its side of the checkpoint protocol (docs/design.md §2, §4).
+"""EpisodeRunner: the environment's async work on its own loop - running episode functions
+against the workers, and its side of the checkpoint protocol (docs/design.md §2, §4).
 
-Episodes are single-turn GRPO prompts or multi-turn tool episodes (`environment.max_turns`).
-Every call goes through `ModelCallClient` (token capture, lineage, exact prefix supply), and a
-finished episode becomes one `replay` row, durable before it is reported. Checkpoint side:
+An episode is a run of the configured episode function (`environment.episode`) with an
+`EpisodeContext`; its model calls go through `ModelCallClient` (token capture, lineage, exact
+prefix supply) on the episode's worker, and a finished episode becomes one `replay` row,
+durable before it is reported. Checkpoint side:
 
-- `prepare(ckpt)` closes admission (episodes park at their next turn boundary) and, at prefix
-  level, has the worker pool cut each worker's in-flight calls; the receipts become
+- `prepare(ckpt)` closes admission (model calls park at their next turn boundary) and, at
+  prefix level, has the worker pool cut each worker's in-flight calls; the receipts become
   continuations;
-- `commit(ckpt)` returns the episode records (committed turns, tool state, the continuation
-  of the call in flight), all read at once between turns, and sweeps stale staging rows;
+- `commit(ckpt)` returns the episode records (journals, each call's token entry, the
+  continuation of the call in flight), all read at once between steps, and sweeps stale
+  staging rows;
 - `resume(ckpt)` reopens admission (also after an aborted attempt);
-- `load(records)` takes a restored snapshot's records: each unfinished episode is re-admitted
-  as attempt + 1 from its last committed turn (or its call's cut prefix).
+- `load(records)` takes a restored snapshot's episodes: each unfinished one runs again as
+  attempt + 1, replaying its journal, its in-flight call resumed from its cut prefix. A replay
+  that diverges from its journal starts the episode over, counted by reason.
 """
 
 from __future__ import annotations
@@ -20,23 +23,26 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
 
 from rollout_recovery.config import EnvironmentActorConfig
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import replay_rows_to_table, table_to_replay_rows
-from rollout_recovery.environment.episode import (
-    Episode,
-    TallyTool,
-    TurnRecord,
-    call_seed,
-    replay_row,
+from rollout_recovery.environment.context import (
+    ChatReply,
+    EpisodeContext,
+    JournalDiverged,
 )
+from rollout_recovery.environment.episode import EpisodeState, call_seed, replay_row
 from rollout_recovery.environment.lineage import LineageStore
 from rollout_recovery.environment.model_client import ModelCallClient
 from rollout_recovery.environment.participant import CheckpointParticipant
+from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.environment.token_sink import StoreTokenSink
 from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.imports import load_callable
 from rollout_recovery.protocol import (
     XARG_SEED,
     XARG_TEMPERATURE,
@@ -50,13 +56,28 @@ from rollout_recovery.protocol import (
     rollout_id,
 )
 
+# Request fields the environment sets itself: the position-keyed sampler takes the seed and
+# temperature, logprobs are always captured, and one call is one choice.
+OWN_FIELDS = ("model", "seed", "logprobs", "n", "messages")
+
 
 class EpisodeRunner:
     """One environment's episodes and checkpoint state; every method runs on one loop."""
 
-    def __init__(self, cfg: EnvironmentActorConfig, workers: WorkerPool, store) -> None:
+    def __init__(
+        self,
+        cfg: EnvironmentActorConfig,
+        workers: WorkerPool,
+        store,
+        scratch_root: str | None = None,
+    ) -> None:
         self.cfg, self.workers, self.store = cfg, workers, store
-        self.max_turns = cfg.environment.max_turns
+        env = cfg.environment
+        self.max_turns = env.max_turns
+        self.episode_fn = load_callable(env.episode)
+        self.reward_fn = load_callable(env.reward) if env.reward else None
+        root = env.scratch_dir or scratch_root
+        self.scratch_root = Path(root) if root else None
         self.sink = StoreTokenSink(store) if store is not None else None
         self.lineage = LineageStore()
         tc = cfg.token_capture
@@ -73,118 +94,130 @@ class EpisodeRunner:
             for w in workers
         ]
         self.participant = CheckpointParticipant()
-        self.tool = TallyTool()
-        self.episodes: dict[str, Episode] = {}  # admitted and unfinished
-        self.pending: dict[str, Episode] = {}  # restored, waiting for their step to run
+        self.episodes: dict[str, EpisodeState] = {}  # admitted and unfinished
+        self.pending: dict[str, EpisodeState] = {}  # restored, waiting for their step to run
+        self.contexts: dict[str, EpisodeContext] = {}  # the running attempt of each episode
+        self.finished: set[str] = set()  # rollouts finished by this environment
         self.inflight: dict[str, tuple[int, CallIdentity]] = {}  # rollout -> (worker, call)
         self._cuts: dict[str, Continuation] = {}  # this checkpoint's continuations, by rollout
         self._next_worker = itertools.count()
+        self.gateway_url: str | None = None
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ episodes
 
     async def run_groups(
-        self,
-        groups: list[tuple[str, list[dict]]],
-        seeds: list[list[int]],
-        reward_fn: Callable[[str], float],
-        weight_version: int,
+        self, groups: list[tuple[str, dict]], seeds: list[list[int]], weight_version: int
     ) -> list[EpisodeOutcome]:
         done = set(await self.store.alist("replay"))
         jobs = []
-        for (gid, msgs), group_seeds in zip(groups, seeds, strict=True):
+        for (gid, task), group_seeds in zip(groups, seeds, strict=True):
             for i, seed in enumerate(group_seeds):
                 rid, key = rollout_id(gid, i), replay_key(gid, i)
                 restored = self.pending.pop(rid, None)
                 if key in done:
                     jobs.append(self._existing(key))
                     continue
-                if restored is None:
-                    msgs_copy = [dict(m) for m in msgs]
-                    ep = Episode(rid, gid, i, seed, msgs_copy, self.tool.initial_state())
-                else:
-                    ep = restored
-                    ep.attempt += 1
-                jobs.append(self._episode(ep, reward_fn, weight_version, restored is not None))
+                st = restored or EpisodeState(rid, gid, i, seed, dict(task))
+                st.worker = next(self._next_worker) % len(self.clients)
+                jobs.append(self._episode(st, weight_version, restored is not None))
         return await asyncio.gather(*jobs)
 
     async def _existing(self, key: str) -> EpisodeOutcome:
         table, _ = await self.store.aget("replay", [key])
         return EpisodeOutcome(table_to_replay_rows(table)[0], 0, None)
 
-    def _adopt(self, ep: Episode, client: ModelCallClient) -> None:
-        """A restored episode's committed turns become lineage its next call resolves to."""
-        self.counts["restored_episodes"] += 1
-        for t in ep.turns:
-            client.adopt(
-                t.entry, ep.messages[: t.request_messages], ep.messages[t.request_messages]
-            )
-            self.counts["restored_turn_tokens"] += len(t.entry.generated_token_ids)
+    def _context(self, st: EpisodeState) -> EpisodeContext:
+        url = f"{self.gateway_url}/rollouts/{st.rollout_id}/v1" if self.gateway_url else None
+        ctx = EpisodeContext(st, self, self.max_turns, self.scratch_root, self.counts, url)
+        self.episodes[st.rollout_id] = st
+        self.contexts[st.rollout_id] = ctx
+        return ctx
 
-    async def _episode(self, ep: Episode, reward_fn, weight_version: int, restored: bool):
-        worker = next(self._next_worker) % len(self.clients)
-        client = self.clients[worker]
+    async def _run_function(self, st: EpisodeState) -> tuple[EpisodeState, Any]:
+        """Run the episode function to its end; a replay that diverges from its journal starts
+        the episode over as a fresh attempt."""
+        while True:
+            try:
+                result = await self.episode_fn(self._context(st), st.task)
+                if len(st.journal) < len(st.replay):
+                    raise JournalDiverged(
+                        "journal_unconsumed",
+                        f"the episode ended after {len(st.journal)} of its "
+                        f"{len(st.replay)} journaled steps",
+                    )
+                return st, result
+            except JournalDiverged as err:
+                self.counts[f"replay_diverged.{err.reason}"] += 1
+                self.lineage.forget(st.rollout_id)
+                st = st.fresh_start()
+
+    async def _episode(self, st: EpisodeState, weight_version: int, restored: bool):
         if restored:
-            self._adopt(ep, client)
-        self.episodes[ep.rollout_id] = ep
-        decoded = 0
+            self.counts["restored_episodes"] += 1
         try:
-            while len(ep.turns) < self.max_turns:
-                decoded += await self._turn(ep, worker, client)
-            row = replay_row(ep, float(reward_fn("".join(ep.replies()))), weight_version)
+            st, result = await self._run_function(st)
+            reward = self.reward_fn(st.task, result) if self.reward_fn else result
+            row = replay_row(st, float(reward), weight_version)
             # Durable as soon as it is finished: a crash later does not regenerate it.
             await self.store.aput("replay", replay_rows_to_table([row]))
             crash_point("replay_row_written")
+            self.finished.add(st.rollout_id)
         finally:
-            self.episodes.pop(ep.rollout_id, None)
-        return EpisodeOutcome(row, decoded, ep.state)
+            self.episodes.pop(st.rollout_id, None)
+            self.contexts.pop(st.rollout_id, None)
+        return EpisodeOutcome(row, st.decoded, result)
 
-    def _request_fields(self, ep: Episode, turn: int, cont: Continuation | None) -> dict:
+    def adopt(self, st: EpisodeState, entry: TokenEntry, messages: list[dict], message: dict):
+        """A call answered from the journal becomes lineage the next call resolves to."""
+        self.clients[st.worker].adopt(entry, messages, message)
+
+    async def call(
+        self, st: EpisodeState, messages: list[dict], request: dict
+    ) -> tuple[ChatReply, TokenEntry]:
+        """The episode's next model call on its worker: parked while a checkpoint is being
+        taken, resumed from its cut prefix when a restore brought one."""
         g = self.cfg.policy.generation
-        xargs = {XARG_SEED: call_seed(ep.seed, turn), XARG_TEMPERATURE: g.temperature}
+        turn, call = len(st.turns), CallIdentity(st.rollout_id, st.next_call_id, st.attempt)
+        cont, st.continuation = st.continuation, None
+        if cont is not None and cont.call_id != call.model_call_id:
+            cont = None
+        fields = {k: v for k, v in request.items() if k not in OWN_FIELDS and v is not None}
+        max_tokens = fields.pop("max_tokens", None) or g.max_new_tokens
+        temperature = fields.pop("temperature", None)
+        temperature = g.temperature if temperature is None else temperature
+        xargs = {XARG_SEED: call_seed(st.seed, turn), XARG_TEMPERATURE: temperature}
         if cont is not None and cont.cut:
             self.counts["restored_calls"] += 1
             self.counts["restored_prefix_tokens"] += cont.tokens
-            xargs |= cont.to_request_fields(g.max_new_tokens)
-        return xargs
-
-    async def _turn(self, ep: Episode, worker: int, client: ModelCallClient) -> int:
-        """One model call of the episode, then its turn boundary; the tokens decoded."""
-        turn, call = len(ep.turns), CallIdentity(ep.rollout_id, ep.next_call_id, ep.attempt)
-        cont, ep.continuation = ep.continuation, None
-        if cont is not None and cont.call_id != call.model_call_id:
-            cont = None
-        xargs = self._request_fields(ep, turn, cont)
+            xargs |= cont.to_request_fields(max_tokens)
         await self.participant.admitted()  # parked while a checkpoint is being taken
-        self.inflight[ep.rollout_id] = (worker, call)
+        self.inflight[st.rollout_id] = (st.worker, call)
         try:
-            res = await client.call(
-                ep.rollout_id,
+            res = await self.clients[st.worker].call(
+                st.rollout_id,
                 call.model_call_id,
-                ep.messages,
-                attempt=ep.attempt,
+                messages,
+                attempt=st.attempt,
                 temperature=0.0,  # sampling is the position-keyed sampler's
-                max_tokens=self.cfg.policy.generation.max_new_tokens,
-                ignore_eos=self.max_turns == 1,  # a turn of an episode ends at its EOS
+                max_tokens=max_tokens,
                 vllm_xargs=xargs,
+                **fields,
             )
         finally:
-            self.inflight.pop(ep.rollout_id, None)
+            self.inflight.pop(st.rollout_id, None)
         n = len(res.entry.generated_token_ids)
+        st.decoded += n - (cont.tokens if cont is not None and cont.cut else 0)
         if cont is not None and cont.cut:
             self.counts["tail_tokens"] += n - cont.tokens
         elif cont is not None:  # in flight at the checkpoint, not cut: decoded again
             self.counts["regenerated_tokens"] += n
-        # The turn boundary: record the turn and apply the tool with no await between, so a
-        # checkpoint sees both or neither.
-        ep.messages.append(res.assistant_message)
-        ep.turns.append(TurnRecord(res.entry, len(ep.messages) - 1))
-        if len(ep.turns) < self.max_turns:
-            reply = res.assistant_message.get("content") or ""
-            result = self.tool.apply(ep.state, turn, reply)
-            self.counts["tool_applications"] += 1
-            ep.messages.append({"role": "tool", "name": self.tool.name, "content": result})
-        return n
+        message = res.assistant_message
+        source = "resumed" if cont is not None and cont.cut else "decoded"
+        reply = ChatReply(message, message.get("content") or "", res.entry.finish_reason,
+                          list(res.entry.generated_token_ids), res.response, source,
+                          call.model_call_id, st.attempt)  # fmt: skip
+        return reply, res.entry
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -212,10 +245,10 @@ class EpisodeRunner:
         return {"calls_cut": sum(1 for c in self._cuts.values() if c.cut),
                 "calls_not_cut": dict(not_cut)}  # fmt: skip
 
-    def _continuation(self, ep: Episode) -> Continuation | None:
+    def _continuation(self, ep: EpisodeState) -> Continuation | None:
         """The call in flight at this checkpoint: its cut, or (not cut) its identity alone."""
-        if ep.rollout_id in self.pending:  # not re-admitted yet: its record is unchanged
-            return ep.continuation
+        if ep.rollout_id in self.pending or len(ep.replay) > len(ep.journal):
+            return ep.continuation  # not replayed up to its call yet: its record is unchanged
         if ep.rollout_id not in self.inflight:
             return None  # parked at a turn boundary
         call = self.inflight[ep.rollout_id][1]
@@ -230,8 +263,7 @@ class EpisodeRunner:
         self.participant.commit(ckpt)
         out = CheckpointRecords()
         for ep in [*self.episodes.values(), *self.pending.values()]:
-            rec = ep.to_record()
-            rec.continuation = self._continuation(ep)
+            rec = ep.to_record(self._continuation(ep))
             out.episodes.append(rec)
             if rec.continuation is not None:
                 out.continuations[ep.rollout_id] = rec.continuation
@@ -259,7 +291,7 @@ class EpisodeRunner:
             self.counts["chunk_rows_swept"] += len(doomed)
         return len(doomed)
 
-    async def load(self, restore_id: str, episodes: list[Episode]) -> int:
+    async def load(self, restore_id: str, episodes: list[EpisodeState]) -> int:
         """Take a restored snapshot's episodes (pending until their step runs)."""
         await self.sweep([ep.continuation for ep in episodes], set())
         self.pending = {ep.rollout_id: ep for ep in episodes}

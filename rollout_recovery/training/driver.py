@@ -59,6 +59,7 @@ from rollout_recovery.errors import (
     RestoreError,
     RunExistsError,
 )
+from rollout_recovery.imports import load_callable
 from rollout_recovery.model_identity import base_model_identity, resolve_model_path
 from rollout_recovery.protocol import Ledger, group_id
 from rollout_recovery.storage import RunStorage, StorageError
@@ -74,7 +75,6 @@ from rollout_recovery.training.checkpoint import (
 )
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
-from rollout_recovery.training.task import digit_reward, make_prompts
 
 STEPS_LOG = "steps.jsonl"
 
@@ -153,10 +153,10 @@ def _batch_bytes(table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def _states_json(results) -> bytes:
-    """Each episode's final tool state, by replay key (None: finished before a restore)."""
-    states = {r.key: s for g in results for r, s in zip(g.rows, g.states, strict=True)}
-    return json.dumps(states, sort_keys=True).encode()
+def _results_json(results) -> bytes:
+    """What each episode function returned, by replay key (None: finished before a restore)."""
+    out = {r.key: s for g in results for r, s in zip(g.rows, g.results, strict=True)}
+    return json.dumps(out, sort_keys=True).encode()
 
 
 def _step_line(r: dict) -> str:
@@ -367,20 +367,21 @@ def _train_step(cfg, rr, storage: RunStorage, model, opt, step: int, weights_dir
     rr.set_step(step)
     before = rr.counters()
     t0 = time.monotonic()
-    prompts = make_prompts(g.prompts_per_step, seed=g.seed * 1_000_003 + step)
-    groups = [(group_id(step, i), msgs) for i, msgs in enumerate(prompts)]
+    make_tasks = load_callable(cfg.environment.tasks)
+    tasks = make_tasks(g.prompts_per_step, g.seed * 1_000_003 + step)
+    groups = [(group_id(step, i), task) for i, task in enumerate(tasks)]
 
     def seeds(gi: int, gen: int, step: int = step) -> int:
         return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen
 
-    results = rr.submit_groups(groups, seeds, digit_reward)
+    results = rr.submit_groups(groups, seeds)
     gen_s = time.monotonic() - t0
     rr.record_call_attempts(step + 1)
     tokens = sum(r.generated_tokens for r in results)
     lease = rr.take_batch(len(groups) * g.generations_per_prompt)
     crash_point("batch_leased")
     storage.write_bytes(f"batches/step-{step + 1:06d}.arrow", _batch_bytes(lease.rows))
-    storage.write_bytes(f"batches/step-{step + 1:06d}.states.json", _states_json(results))
+    storage.write_bytes(f"batches/step-{step + 1:06d}.results.json", _results_json(results))
     loss, reward, gap = grpo_step(model, opt, lease.rows, g.generations_per_prompt)
     rr.ack(lease)
     crash_point("batch_acked")

@@ -1,6 +1,7 @@
-"""RolloutEnvironment against a real worker: 3-turn tool episodes checkpointed mid-episode and
-restored into a fresh environment, at turn level (resume at turn 2, the tool's effect on turn 1
-not repeated) and at prefix level (the call in flight resumes from its cut)."""
+"""RolloutEnvironment against a real worker: the built-in 3-turn tally episode function
+checkpointed mid-episode and restored into a fresh environment, at turn level (the replay
+answers turn 1 and its tool effect from the journal, decodes from turn 2) and at prefix level
+(the call in flight resumes from its cut)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import EpisodeRecord
-from rollout_recovery.training.task import digit_reward
 
 pytestmark = pytest.mark.engine
 MESSAGES = [{"role": "user", "content": "Count the digits: 12 34 56"}]
+TASK = {"messages": MESSAGES}
 
 
 def _cfg(tiny_cfg, level: str, max_tokens: int):
@@ -32,7 +33,7 @@ def _cfg(tiny_cfg, level: str, max_tokens: int):
 
 
 def _episode(env: RolloutEnvironment, store, gid: str, seed: int):
-    [(row, _, state)] = env.run_groups([(gid, MESSAGES)], [[seed]], digit_reward, 0)
+    [(row, _, state)] = env.run_groups([(gid, TASK)], [[seed]], 0)
     store.delete("replay", [row.key])
     return row, state
 
@@ -55,7 +56,7 @@ def _checkpoint_then_crash(env: RolloutEnvironment, gid: str, seed: int, at_call
     rid = f"{gid}-g0"
     runner = env.runner
     run = asyncio.run_coroutine_threadsafe(
-        runner.run_groups([(gid, MESSAGES)], [[seed]], digit_reward, 0), env._loop.loop
+        runner.run_groups([(gid, TASK)], [[seed]], 0), env._loop.loop
     )
     _wait(lambda: _call_in_flight(runner, rid) == at_call, f"{at_call} in flight")
     if not park:
@@ -74,7 +75,7 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
     cfg = _cfg(tiny_cfg, "turn", 48)
     reference = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     ref_row, ref_state = _episode(reference, store, "tref", seed=11)
-    assert ref_state == {"tally": ref_state["tally"], "effects": [0, 1]}
+    assert ref_state["effects"] == [0, 1] and ref_state["tally"] > 0
     with pytest.raises(ProtocolError, match="already served"):
         reference.begin_restore("r0")  # an environment that served calls is not restored into
     reference.close()
@@ -83,7 +84,7 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
         RolloutEnvironment(cfg, WorkerPool([worker]), store), "trec", 11, at_call="c0", park=True
     )
     [rec] = records.episodes
-    assert len(rec.turns) == 1 and rec.state["effects"] == [0]
+    assert len(rec.turns) == 1 and [s.kind for s in rec.journal] == ["chat", "effect"]
     assert rec.continuation is None  # parked at the turn boundary: nothing in flight
 
     fresh = RolloutEnvironment(cfg, WorkerPool([worker]), store)
@@ -92,8 +93,10 @@ def test_turn_level_restore_resumes_at_turn_2_without_repeating_the_tool(capture
     row, state = _episode(fresh, store, "trec", seed=11)
     counts = fresh.counters()
     fresh.close()
-    # One tool effect (turn 2's) in the fresh environment; turn 1's came from the record.
-    assert fresh.tool.applications == 1 and counts["tool_applications"] == 1
+    # One tool effect (turn 2's) ran in the fresh environment; turn 1's and its call came from
+    # the journal.
+    assert counts["effects.executed"] == 1 and counts["effects.replayed"] == 1
+    assert counts["journal.chat_replayed"] == 1
     assert state == ref_state
     assert counts["restored_episodes"] == 1
     committed = fresh.sink.get(rec.turns[0].entry_id)
@@ -134,7 +137,7 @@ def test_prefix_level_restore_resumes_the_cut_call_of_turn_2(capture_worker, tin
     fresh.close()
     assert counts["restored_calls"] == 1 and counts["restored_prefix_tokens"] == cont.tokens
     assert counts["tail_tokens"] + cont.tokens == turn_lengths[1]
-    assert state == ref_state and fresh.tool.applications == 1
+    assert state == ref_state and counts["effects.executed"] == 1
     np.testing.assert_array_equal(row.token_ids, ref_row.token_ids)
     np.testing.assert_array_equal(row.loss_mask, ref_row.loss_mask)
     np.testing.assert_array_equal(row.logprobs, ref_row.logprobs)
@@ -174,9 +177,8 @@ def test_chunk_rows_do_not_outlive_their_calls(capture_worker, tiny_cfg):
                 "sweep-b-g1/c0/a0/c000000")  # fmt: skip
     kept = {"call_id": "c1", "attempt": 0, "tokens": 4, "digest": "00",
             "keys": ["sweep-b-g0/c1/a0/c000000", "sweep-b-g0/c1/a0/c000001"]}  # fmt: skip
-    record = {"format": 1, "rollout_id": "sweep-b-g0", "group_id": "sweep-b", "seed": 1,
-              "generation_index": 0, "attempt": 0, "messages": MESSAGES,
-              "state": {"tally": 0, "effects": []}, "turns": [], "continuation": kept}  # fmt: skip
+    record = {"rollout_id": "sweep-b-g0", "group_id": "sweep-b", "seed": 1,
+              "generation_index": 0, "attempt": 0, "task": TASK, "continuation": kept}  # fmt: skip
     fresh = RolloutEnvironment(cfg, WorkerPool([worker]), store)
     fresh.begin_restore("r-sweep")
     fresh.end_restore("r-sweep", [EpisodeRecord.model_validate(record)])

@@ -1,36 +1,46 @@
-"""Episode records, the tally tool's once-per-turn effect, and the training row of a
-multi-turn episode (pure logic)."""
+"""Episode functions replayed from their journal, episode records, and the training row of a
+multi-turn episode (pure logic: a scripted model stands in for the workers; the real engine
+path is tests/engine/test_rollout_environment.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from rollout_recovery.config import load_config
+from rollout_recovery.environment.context import (
+    ChatReply,
+    EpisodeContext,
+    JournalDiverged,
+    NotJsonError,
+)
 from rollout_recovery.environment.episode import (
-    Episode,
+    EpisodeState,
     RecordError,
-    TallyTool,
-    ToolEffectRepeated,
     TrajectoryError,
-    TurnRecord,
     call_seed,
     replay_row,
 )
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.environment.token_sink import JsonlTokenSink
+from rollout_recovery.episodes import tally
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import Continuation, EpisodeRecord
 
+TASK = {"messages": [{"role": "user", "content": "go"}]}
+REPLIES = ["a1", "7b", "42"]
 
-def _entry(call: str, prompt: list[int], gen: list[int]) -> TokenEntry:
+
+def _entry(call: str, prompt: list[int], gen: list[int], attempt: int = 0) -> TokenEntry:
     return TokenEntry.build(
         rollout_id="r-g0",
         model_call_id=call,
-        attempt=0,
+        attempt=attempt,
         prompt_token_ids=prompt,
         generated_token_ids=gen,
         generated_logprobs=[-0.5 - i for i in range(len(gen))],
@@ -38,75 +48,173 @@ def _entry(call: str, prompt: list[int], gen: list[int]) -> TokenEntry:
     )
 
 
-def _episode() -> Episode:
-    tool = TallyTool()
-    ep = Episode("r-g0", "r", 0, 7, [{"role": "user", "content": "go"}], tool.initial_state())
-    first = _entry("c0", [1, 2, 3], [10, 11, 2])
-    ep.messages.append({"role": "assistant", "content": "a1"})
-    ep.turns.append(TurnRecord(first, 1))
-    ep.messages.append({"role": "tool", "content": tool.apply(ep.state, 0, "a1")})
-    second = _entry("c1", [*first.cumulative_ids(), 4, 5], [12, 2])
-    ep.messages.append({"role": "assistant", "content": "7b"})
-    ep.turns.append(TurnRecord(second, 3))
-    return ep
+class ScriptedModel:
+    """The environment's model-call side with scripted replies; counts what it decoded."""
+
+    def __init__(self) -> None:
+        self.decoded: list[str] = []
+        self.adopted: list[str] = []
+
+    async def call(self, st: EpisodeState, messages: list[dict], request: dict):
+        turn = len(st.turns)
+        prompt = [*(st.turns[-1].cumulative_ids() if st.turns else [1, 2]), 3 + turn]
+        entry = _entry(st.next_call_id, prompt, [10 + turn, 2], st.attempt)
+        self.decoded.append(entry.model_call_id)
+        message = {"role": "assistant", "content": REPLIES[turn]}
+        return ChatReply(message, REPLIES[turn], "stop", [10 + turn, 2]), entry
+
+    def adopt(self, st, entry, messages, message) -> None:
+        self.adopted.append(entry.model_call_id)
 
 
-def test_the_tally_tool_acts_once_per_turn():
-    tool = TallyTool()
-    state = tool.initial_state()
-    assert json.loads(tool.apply(state, 0, "a 12")) == {"tally": 3}
-    assert json.loads(tool.apply(state, 1, "none")) == {"tally": 4}
-    with pytest.raises(ToolEffectRepeated, match="turn 1"):
-        tool.apply(state, 1, "99")
-    assert state == {"tally": 4, "effects": [0, 1]} and tool.applications == 2
+def _run(st: EpisodeState, model: ScriptedModel, counts: Counter, fn=tally.episode, turns=3):
+    ctx = EpisodeContext(st, model, turns, None, counts)
+    return asyncio.run(fn(ctx, st.task))
+
+
+def _state() -> EpisodeState:
+    return EpisodeState("r-g0", "r", 0, 7, TASK)
+
+
+def _finished() -> tuple[EpisodeState, dict]:
+    st, counts = _state(), Counter()
+    result = _run(st, ScriptedModel(), counts)
+    return st, result
+
+
+def test_an_episode_journals_each_call_and_effect_in_order():
+    st, counts = _state(), Counter()
+    model = ScriptedModel()
+    result = _run(st, model, counts)
+    assert [(s.kind, s.name) for s in st.journal] == [
+        ("chat", "c0"), ("effect", "tally"), ("chat", "c1"), ("effect", "tally"), ("chat", "c2")
+    ]  # fmt: skip
+    assert result == {"text": "a17b42", "tally": 2 + 2, "effects": [0, 1]}
+    assert model.decoded == ["c0", "c1", "c2"] and counts["effects.executed"] == 2
+
+
+def _restored(st: EpisodeState, steps: int) -> EpisodeState:
+    """`st` as a checkpoint after `steps` journal steps holds it, restored as attempt + 1."""
+    turns = sum(1 for s in st.journal[:steps] if s.kind == "chat")
+    names = ("rollout_id", "group_id", "generation_index", "seed", "task")
+    part = EpisodeState(**{k: getattr(st, k) for k in names})
+    part.journal, part.turns = st.journal[:steps], st.turns[:turns]
+    record = EpisodeRecord.model_validate_json(part.to_record(None).model_dump_json())
+    return EpisodeState.from_record(record, {e.entry_id: e for e in st.turns}.get)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 4])
+def test_a_replay_answers_the_journal_and_decodes_only_what_follows(steps):
+    """No committed call is decoded again and no journaled effect runs again; the result is
+    the uninterrupted one. Replaying with the journal ignored decodes everything: the counts
+    tell the two apart although the results are the same."""
+    st, reference = _finished()
+    back, counts, model = _restored(st, steps), Counter(), ScriptedModel()
+    assert back.attempt == 1
+    assert _run(back, model, counts) == reference
+    committed = sum(1 for s in st.journal[:steps] if s.kind == "chat")
+    assert model.adopted == [f"c{i}" for i in range(committed)]
+    assert model.decoded == [f"c{i}" for i in range(committed, 3)]
+    effects = sum(1 for s in st.journal[:steps] if s.kind == "effect")
+    assert counts["effects.replayed"] == effects and counts["effects.executed"] == 2 - effects
+    ignored, model = _restored(st, steps), ScriptedModel()
+    ignored.replay = []
+    assert _run(ignored, model, Counter()) == reference and len(model.decoded) == 3
+
+
+def test_a_replay_that_asks_for_other_steps_diverges_with_a_named_reason():
+    st, _ = _finished()
+
+    async def other_prompt(ctx, task):
+        await ctx.chat([{"role": "user", "content": "something else"}])
+
+    async def effect_first(ctx, task):
+        await ctx.effect("tally", tally.add_to_tally, 0, 0, "")
+
+    async def other_effect(ctx, task):
+        reply = await ctx.chat(list(task["messages"]), ignore_eos=False)
+        await ctx.effect("notes", tally.add_to_tally, 0, 0, reply.content)
+
+    for fn, reason in ((other_prompt, "step_request"), (effect_first, "step_kind"),
+                       (other_effect, "step_name")):  # fmt: skip
+        with pytest.raises(JournalDiverged) as err:
+            _run(_restored(st, 2), ScriptedModel(), Counter(), fn)
+        assert err.value.reason == reason
+
+
+def test_effects_need_json_arguments_and_results_and_keep_their_id_on_replay():
+    ids: list[str | None] = []
+
+    async def episode(ctx, task):
+        await ctx.effect("a", lambda: ids.append(ctx.effect_id) or 1)
+        await ctx.chat(list(task["messages"]))
+        await ctx.effect("b", lambda: ids.append(ctx.effect_id) or 2)
+        return ctx.random()
+
+    st = _state()
+    value = _run(st, ScriptedModel(), Counter(), episode)
+    back = _restored(st, 2)  # effect a and the call are journaled; effect b runs again
+    assert _run(back, ScriptedModel(), Counter(), episode) == value
+    assert ids == ["r-g0/start-0/step-0", "r-g0/start-0/step-2", "r-g0/start-0/step-2"]
+
+    async def bad_args(ctx, task):
+        await ctx.effect("x", print, object())
+
+    async def bad_result(ctx, task):
+        await ctx.effect("x", object)
+
+    for fn in (bad_args, bad_result):
+        with pytest.raises(NotJsonError):
+            _run(_state(), ScriptedModel(), Counter(), fn)
 
 
 def test_the_row_masks_every_turns_generated_tokens():
-    row = replay_row(_episode(), reward=0.5, weight_version=3)
-    assert row.token_ids.tolist() == [1, 2, 3, 10, 11, 2, 4, 5, 12, 2]
-    assert row.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    st, _ = _finished()
+    row = replay_row(st, reward=0.5, weight_version=3)
+    assert row.token_ids.tolist() == [1, 2, 3, 10, 2, 4, 11, 2, 5, 12, 2]
+    assert row.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1]
     assert row.prompt_len == 3 and row.key == "r/000" and row.weight_version_max == 3
-    np.testing.assert_array_equal(
-        row.logprobs, np.float32([0, 0, 0, -0.5, -1.5, -2.5, 0, 0, -0.5, -1.5])
-    )
+    np.testing.assert_array_equal(row.logprobs[3:5], np.float32([-0.5, -1.5]))
 
 
 def test_a_turn_whose_tokens_were_re_rendered_fails_closed():
-    ep = _episode()
-    drifted = _entry("c1", [1, 2, 3, 10, 99, 2, 4, 5], [12, 2])  # history re-tokenized
-    ep.turns[1] = TurnRecord(drifted, 3)
+    st, _ = _finished()
+    st.turns[1] = _entry("c1", [1, 2, 3, 10, 99, 2, 4], [11, 2])  # history re-tokenized
     with pytest.raises(TrajectoryError, match="supply_prefix_token_ids"):
-        replay_row(ep, 0.0, 0)
+        replay_row(st, 0.0, 0)
+    with pytest.raises(TrajectoryError, match="no model call"):
+        replay_row(_state(), 0.0, 0)
 
 
 def test_records_round_trip_with_their_entries_from_the_data_plane():
-    ep = _episode()
-    ep.attempt = 2
-    ep.continuation = Continuation(call_id="c2", attempt=2, keys=["k"], tokens=4)
-    entries = {t.entry.entry_id: t.entry for t in ep.turns}
-    wire = json.loads(json.dumps(ep.to_record().model_dump(mode="json")))
+    st, _ = _finished()
+    cont = Continuation(call_id="c3", attempt=0, keys=["k"], tokens=4)
+    entries = {e.entry_id: e for e in st.turns}
+    wire = json.loads(json.dumps(st.to_record(cont).model_dump(mode="json")))
     assert "prompt_token_ids" not in json.dumps(wire)  # tokens stay in the data plane
     record = EpisodeRecord.model_validate(wire)
-    back = Episode.from_record(record, entries.get)
-    assert back == ep and back.next_call_id == "c2" and back.replies() == ["a1", "7b"]
+    back = EpisodeState.from_record(record, entries.get)
+    assert back.replay == st.journal and back.replay_turns == st.turns
+    assert back.continuation == cont and back.attempt == 1 and back.journal == []
     with pytest.raises(RecordError, match="record_format"):
-        Episode.from_record(EpisodeRecord.model_validate({**wire, "format": 99}), entries.get)
+        EpisodeState.from_record(EpisodeRecord.model_validate({**wire, "format": 1}), entries.get)
     with pytest.raises(RecordError, match="missing_entry: r-g0/c1/a0"):
-        Episode.from_record(record, {"r-g0/c0/a0": ep.turns[0].entry}.get)
+        EpisodeState.from_record(record, {"r-g0/c0/a0": st.turns[0]}.get)
     changed = _entry("c0", [1, 2, 3], [10, 11, 12])
     with pytest.raises(RecordError, match="entry_digest_mismatch"):
-        Episode.from_record(record, {**entries, "r-g0/c0/a0": changed}.get)
+        EpisodeState.from_record(record, {**entries, "r-g0/c0/a0": changed}.get)
 
 
 def test_a_record_that_cannot_be_restored_starts_over_in_the_environment(tmp_path):
-    env = RolloutEnvironment(load_config(None, []), WorkerPool([]), None)
+    env = RolloutEnvironment(load_config(None, []).environment_config(), WorkerPool([]), None,
+                             None)  # fmt: skip
     try:
         env.runner.sink = JsonlTokenSink(tmp_path / "entries.jsonl")  # holds none of the entries
         env.begin_restore("r1")
-        assert env.end_restore("r1", [_episode().to_record()]) == 1
-        ep = env.runner.pending["r-g0"]
-        assert ep.turns == [] and ep.messages == [{"role": "user", "content": "go"}]
-        assert ep.state == TallyTool.initial_state() and ep.continuation is None
+        st, _ = _finished()
+        assert env.end_restore("r1", [st.to_record(None)]) == 1
+        back = env.runner.pending["r-g0"]
+        assert back.replay == [] and back.restarts == 1 and back.attempt == 1
         assert env.counters() == {"restore_refused.missing_entry": 1}
     finally:
         env.close()
@@ -119,10 +227,11 @@ def test_turn_seeds_are_distinct_and_turn_0_keeps_the_episode_seed():
 
 
 def test_a_record_keeps_the_moment_it_was_taken_while_the_episode_goes_on():
-    """The call in flight at a checkpoint finishes and its tool acts while the record is on
-    its way into the snapshot: the record must not see that turn's effect."""
-    ep = _episode()
-    record = ep.to_record()
-    TallyTool().apply(ep.state, 1, "42")
-    ep.messages.append({"role": "tool", "content": "later"})
-    assert record.state == {"tally": 2, "effects": [0]} and len(record.messages) == 4
+    """The call in flight at a checkpoint finishes and its effect runs while the record is on
+    its way into the snapshot: the record must not see that step."""
+    st, _ = _finished()
+    st.journal, st.turns = st.journal[:2], st.turns[:1]
+    record = st.to_record(None)
+    st.journal.append(st.journal[0])
+    st.journal[1].result["tally"] = 99
+    assert len(record.journal) == 2 and record.journal[1].result["tally"] == 2

@@ -127,6 +127,6 @@ def test_tool_states_must_match_and_apply_each_effect_once(tmp_path):
         (rec, {"a": {"tally": 5, "effects": [0, 1]}, "b": {"tally": 4, "effects": [0, 1]}}),
     ):
         (d / "batches").mkdir(parents=True)
-        (d / "batches" / "step-000001.states.json").write_text(json.dumps(states))
-    [msg] = rc.compare_states(str(ref), str(rec), 1, max_turns=3)
-    assert msg.startswith("step 1: b ended with tool state {'tally': 4")
+        (d / "batches" / "step-000001.results.json").write_text(json.dumps(states))
+    [msg] = rc.compare_results(str(ref), str(rec), 1, max_turns=3)
+    assert msg.startswith("step 1: b ended with result {'tally': 4")

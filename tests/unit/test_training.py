@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from rollout_recovery.episodes.tally import digit_share, reward, tasks
 from rollout_recovery.storage import RunStorage
 from rollout_recovery.training.checkpoint import (
     TrainerCheckpointError,
@@ -17,7 +18,6 @@ from rollout_recovery.training.checkpoint import (
 )
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
-from rollout_recovery.training.task import digit_reward, make_prompts
 
 
 def test_group_advantages_are_normalised_per_group():
@@ -122,9 +122,10 @@ def test_an_altered_or_incomplete_trainer_checkpoint_is_refused(tiny_model_dir, 
 
 
 def test_toy_task():
-    prompts = make_prompts(5, seed=0)
-    assert prompts == make_prompts(5, seed=0) and len(prompts) == 5
-    assert digit_reward("12 a4") == 0.75 and digit_reward("") == 0.0
+    prompts = tasks(5, seed=0)
+    assert prompts == tasks(5, seed=0) and len(prompts) == 5 and prompts != tasks(5, seed=1)
+    assert digit_share("12 a4") == 0.75 and digit_share("") == 0.0
+    assert reward(prompts[0], {"text": "12 a4"}) == 0.75
 
 
 def test_training_refuses_rows_without_generation_logprobs():
