@@ -84,13 +84,36 @@ def overrides(args, run_dir: str) -> list[str]:
         f"rollout_checkpointing.snapshot_attempt_interval_s={args.interval}",
         "rollout_checkpointing.keep_latest_k=4",
         f"token_capture.control_auth_token={args.token}",
+        *env_overrides(args, run_dir),
         *device_overrides(args),
         *args.extra,
     ]
 
 
+# The environments the check runs: the built-in tally task, the notes agent (an episode
+# function whose tool writes files), and an `openai` client harness through the gateway.
+ENV_CONFIGS = {"notes": "notes_agent.yaml", "gateway": "gateway_harness.yaml"}
+
+
 def config(args) -> str:
-    return str(REPO / "configs" / f"{args.level}_recovery.yaml")
+    name = ENV_CONFIGS.get(args.env, f"{args.level}_recovery.yaml")
+    return str(REPO / "configs" / name)
+
+
+def env_overrides(args, run_dir: str) -> list[str]:
+    """The level of the environment configs (the built-in ones are one per level), and a local
+    scratch directory for a run whose checkpoint_dir is remote."""
+    out = [f"rollout_recovery.target_level={args.level}"] if args.env in ENV_CONFIGS else []
+    if "://" in run_dir:
+        out.append(f"environment.scratch_dir={scratch_dir(args, run_dir)}")
+    return out
+
+
+def scratch_dir(args, run_dir: str) -> Path:
+    """Where a run's episodes keep their scratch directories (the notes agent's stores)."""
+    if "://" not in run_dir:
+        return Path(run_dir) / "scratch"
+    return args.out / "scratch" / run_dir.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
 
 
 def device_overrides(args) -> list[str]:
@@ -389,6 +412,30 @@ def compare_results(ref_dir: str, rec_dir: str, step: int, max_turns: int) -> li
     return out
 
 
+def compare_scratch(ref_root: Path, rec_root: Path) -> dict:
+    """The notes agent's stores, written by its tool outside the process: each episode's notes
+    and register equal the reference's, and its operation log holds every effect once (an
+    effect that ran again on replay was absorbed under its effect id, counted)."""
+    from rollout_recovery.episodes.notes import applied_exactly_once, store_summary
+
+    def stores(root: Path) -> dict[str, Path]:
+        return {d.name: max(d.glob("start-*")) for d in sorted(root.iterdir())
+                if any(d.glob("start-*"))}  # fmt: skip
+
+    ref, rec = stores(ref_root), stores(rec_root)
+    out = {"episodes": len(rec), "effects": 0, "absorbed": 0, "violations": []}
+    if set(ref) != set(rec):
+        out["violations"].append(f"[effects] episodes with a store: {sorted(set(ref) ^ set(rec))}")
+    for rid in sorted(set(ref) & set(rec)):
+        a, b = store_summary(ref[rid]), store_summary(rec[rid])
+        out["effects"] += len(b["ops"])
+        out["absorbed"] += b["dedupes"]
+        if (a["notes"], a["register"], a["ops"]) != (b["notes"], b["register"], b["ops"]):
+            out["violations"].append(f"[effects] {rid}: store {b} differs from the reference's {a}")
+        out["violations"] += [f"[effects] {rid}: {v}" for v in applied_exactly_once(rec[rid])]
+    return out
+
+
 COLUMNS = (
     "step",
     "same_batch",
@@ -438,6 +485,9 @@ def main() -> int:
         help="recoverable cuts (prefix) or partly done episodes (turn) before each kill",
     )  # fmt: skip
     ap.add_argument("--kills", type=int, default=1, help="kills, each at a later trainer step")
+    ap.add_argument("--env", choices=["tally", *ENV_CONFIGS], default="tally",
+                    help="the episodes: the built-in task, the notes agent, or the gateway "
+                         "harness")  # fmt: skip
     ap.add_argument("--storage", choices=["local", "s3"], default="local",
                     help="where checkpoint_dir lives (s3: a local moto server)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3)
@@ -452,7 +502,7 @@ def main() -> int:
     ap.add_argument("--from-kill", type=Path, help="restore again the killed run kept in DIR")
     ap.add_argument(
         "--fault",
-        choices=["resume_disabled", "redecode_committed_turns"],
+        choices=["resume_disabled", "redecode_committed_turns", "effect_dedupe_disabled"],
         help="break the last phase on purpose (see rollout_recovery/faults.py)",
     )
     ap.add_argument("--verify-only", action="store_true", help="verify --out's runs again")
@@ -547,7 +597,7 @@ def from_kill(args) -> int:
 def verify_only(args) -> int:
     """Verify --out's reference and recovered runs again, from their files (local storage)."""
     saved = json.loads((args.out / "parity.json").read_text())
-    for key in ("level", "max_turns", "fault", "cuts"):
+    for key in ("level", "env", "max_turns", "fault", "cuts"):
         setattr(args, key, saved[key])
     args.storage, args.reference_s = "local", saved["reference_s"]
     kills = json.loads((args.out / "kills.json").read_text())
@@ -581,6 +631,10 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
             # The trainer's step depends only on tokens, masks and rewards: equal, not close.
             violations.append(f"step {step}: loss differs by {loss_diff:.3g}")
         violations += compare_results(ref_dir, rec_dir, step, args.max_turns)
+    effects = {}
+    if args.env == "notes":
+        effects = compare_scratch(scratch_dir(args, ref_dir), scratch_dir(args, rec_dir))
+    violations += effects.pop("violations", [])
     violations += evidence.check_logprobs(
         details, args.min_identical_logprobs, args.max_logprob_diff
     )
@@ -625,6 +679,7 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         violations.append(f"the restores selected {selected}, the kills chose {chosen}")
     result = {
         "level": args.level,
+        "env": args.env,
         "storage": args.storage,
         "fault": args.fault,
         "cuts": args.cuts,
@@ -647,6 +702,7 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         "lost_work": lost,
         "final_trainer_checkpoint": {"reference": ref_ckpt, "recovered": rec_ckpt},
         "superseded_chunk_keys_left": len(lingering),
+        "effects": effects,
         "violations": violations,
     }
     (args.out / "parity.json").write_text(json.dumps(result, indent=2))

@@ -26,6 +26,7 @@ controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and 
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,8 @@ class RolloutRecovery:
         self.env: EnvironmentClient | None = None
         self.coordinator: CheckpointCoordinator | None = None
         self.evidence: EvidenceLog | None = None
+        self.gateway_url: str | None = None  # the rollout gateway, when gateway.enabled
+        self.gateway_token: str | None = None
 
     def start(self) -> RolloutRecovery:
         if self.owner is None:
@@ -89,6 +92,10 @@ class RolloutRecovery:
         self.coordinator = CheckpointCoordinator(ckpt_cfg, self.state, self.store, self.workers,
                                                  self.env, self.storage, self.metrics,
                                                  self.owner)  # fmt: skip
+        if self.cfg.gateway.enabled:
+            self.gateway_token = secrets.token_urlsafe(24)
+            self.gateway_url = self.env.start_gateway(self.gateway_token)
+            print(f"rollout gateway at {self.gateway_url}/rollouts/<rollout_id>/v1", flush=True)
         self.evidence = EvidenceLog(self.storage, self.workers)
         self.evidence.write_workers(self.metrics.serve(self.counters, self.cfg.vllm_cfg.host))
         return self

@@ -210,6 +210,10 @@ class VllmConfig(_Block):
     """Seconds to wait for every worker to start. Loading the model, starting the server and warming
     up must finish within it, or starting the workers fails."""
 
+    tool_call_parser: str | None = None
+    """vLLM tool-call parser (e.g. `hermes`) for requests with `tools` and `tool_choice="auto"`, as
+    vLLM's own server takes it; empty: such requests are refused by the worker, as by vLLM."""
+
     @model_validator(mode="after")
     def _cpu_needs_explicit_kv(self) -> VllmConfig:
         if self.device == "cpu" and self.kv_cache_memory_bytes is None:
@@ -425,6 +429,25 @@ class EnvironmentConfig(_Block):
     """Local directory holding each episode's `ctx.scratch_dir` (state a tool keeps outside the
     process). Empty: `scratch/` under `checkpointing.checkpoint_dir` when that is local."""
 
+    settings: dict[str, Any] = {}
+    """Free-form settings of the episode function, as `ctx.settings` (e.g. the shipped harness
+    episode's `command`)."""
+
+
+class GatewayConfig(_Block):
+    """The OpenAI-compatible rollout gateway (docs/gateway.md): one base URL per rollout,
+    `/rollouts/{rollout_id}/v1`, for harnesses in other processes."""
+
+    enabled: bool = False
+    """Serve the gateway from the rollout environment; episode functions see their rollout's URL
+    as `ctx.base_url` and the token as `ctx.api_key`."""
+
+    host: str = "127.0.0.1"
+    """Address the gateway binds. Its token (minted per run) guards every route but /health."""
+
+    port: Int = Field(0, ge=0, le=65535)
+    """Port to bind; 0 picks a free one (the run prints and records the URL)."""
+
 
 class _ComponentConfig(_Block):
     """A component's view of the job: the job's blocks it reads, under the job's names. Every
@@ -468,6 +491,9 @@ class EnvironmentActorConfig(_ComponentConfig):
 
     rollout_recovery: RolloutRecoveryLevelConfig
     """At prefix level, in-flight calls are cut at each checkpoint."""
+
+    gateway: GatewayConfig
+    """Whether the environment serves the rollout gateway, and where."""
 
 
 class CheckpointCoordinatorConfig(_ComponentConfig):
@@ -518,6 +544,9 @@ class RolloutRecoveryConfig(_Block):
 
     environment: EnvironmentConfig = EnvironmentConfig()
     """The episodes the rollout environment runs."""
+
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible rollout gateway for harnesses in other processes."""
 
     grpo: GrpoConfig = GrpoConfig()
     """The shipped GRPO driver's training loop."""

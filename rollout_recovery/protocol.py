@@ -23,7 +23,15 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     from rollout_recovery.data_plane import ReplayRow
@@ -347,6 +355,20 @@ class EpisodeRecord(BaseModel):
     journal: list[JournalStep] = []
     turns: list[TurnRef] = []
     continuation: Continuation | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_1(cls, data: Any) -> Any:
+        """A format-1 record (the built-in loop's, before episode functions) still loads, so
+        its snapshot stays usable: its task is its first prompt, and the environment refuses
+        the record itself (`restore_refused.record_format`), starting the episode over."""
+        if not isinstance(data, dict) or data.get("format") != 1:
+            return data
+        old = {k: v for k, v in data.items() if k not in ("messages", "state")}
+        messages = data.get("messages", [])
+        turns = [{k: t[k] for k in ("entry_id", "payload_sha256")} for t in old.get("turns", [])]
+        first = data["turns"][0]["request_messages"] if turns else len(messages)
+        return old | {"task": {"messages": messages[:first]}, "turns": turns}
 
 
 class ServedModel(BaseModel):

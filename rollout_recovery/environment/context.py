@@ -30,7 +30,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -115,8 +115,11 @@ class EpisodeContext:
     max_turns: int
     scratch_root: Path | None
     counts: Counter[str]  # the environment's counts
+    settings: dict = field(default_factory=dict)  # environment.settings
     base_url: str | None = None  # this rollout's gateway base URL, when the gateway runs
+    api_key: str | None = None  # the gateway's token
     effect_id: str | None = None  # while an effect runs: its stable id
+    diverged: JournalDiverged | None = None  # set once a step diverged from the journal
 
     @property
     def rollout_id(self) -> str:
@@ -155,14 +158,16 @@ class EpisodeContext:
             return None
         step = st.replay[index]
         if step.kind != kind:
-            raise JournalDiverged(
-                "step_kind", f"step {index} was a {step.kind} ({step.name}), now a {kind} ({name})"
-            )
-        if step.name != name:
-            raise JournalDiverged("step_name", f"step {index} was {step.name!r}, now {name!r}")
-        if step.request_sha256 != digest:
-            raise JournalDiverged("step_request", f"step {index} ({name}) asks for other input")
-        return step
+            why = ("step_kind", f"step {index} was a {step.kind} ({step.name}), now a {kind}")
+        elif step.name != name:
+            why = ("step_name", f"step {index} was {step.name!r}, now {name!r}")
+        elif step.request_sha256 != digest:
+            why = ("step_request", f"step {index} ({name}) asks for other input")
+        else:
+            return step
+        # Kept: the function may swallow the exception (a harness answered with an error).
+        self.diverged = JournalDiverged(*why)
+        raise self.diverged
 
     async def chat(
         self,

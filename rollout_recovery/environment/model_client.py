@@ -34,6 +34,14 @@ class PrefixNotSuppliedError(RuntimeError):
     """The worker did not build the prompt from the required prefix."""
 
 
+class ModelCallFailed(RuntimeError):
+    """The worker answered a call with an HTTP error (`status`: 4xx refused the request)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"model call failed: {status} {text[:300]}")
+        self.status, self.text = status, text
+
+
 @dataclass
 class CallResult:
     entry: TokenEntry
@@ -119,7 +127,7 @@ class ModelCallClient:
         resp = await self.client.post(f"{self.base_url}/v1/chat/completions", json=request)
         if resp.status_code != 200:
             self.diagnostics.add("capture.http_error")
-            raise RuntimeError(f"model call failed: {resp.status_code} {resp.text[:300]}")
+            raise ModelCallFailed(resp.status_code, resp.text)
         response = resp.json()
         try:
             bundle = await capture_tokens(self.client, self.base_url, request, response)

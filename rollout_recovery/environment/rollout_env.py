@@ -14,7 +14,9 @@ from collections import Counter
 from rollout_recovery import faults
 from rollout_recovery.config import EnvironmentActorConfig
 from rollout_recovery.environment.episode import EpisodeState, RecordError
+from rollout_recovery.environment.gateway_backend import EpisodeGateway
 from rollout_recovery.environment.runner import EpisodeRunner
+from rollout_recovery.gateway import GatewayServer, create_app
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import CheckpointRecords, EpisodeOutcome, EpisodeRecord
 from rollout_recovery.runtime import LoopThread
@@ -31,6 +33,7 @@ class RolloutEnvironment:
         self._loop = LoopThread("rollout-environment")
         self.runner = EpisodeRunner(cfg, workers, store, scratch_root)
         self.refused: Counter[str] = Counter()  # restore_refused.<reason>
+        self._gateway: GatewayServer | None = None
 
     @property
     def sink(self):
@@ -43,6 +46,15 @@ class RolloutEnvironment:
         order. Episodes whose row is already in `replay` are not run again; restored ones
         replay their journal."""
         return self._loop.run(self.runner.run_groups(groups, seeds, weight_version))
+
+    def start_gateway(self, token: str) -> str:
+        """Serve the rollout gateway (`gateway.host`/`port`); its base URL."""
+        g = self.runner.cfg.gateway
+        backend = EpisodeGateway(self.runner, self._loop.loop)
+        self._gateway = GatewayServer()
+        url = self._gateway.start(create_app(backend, token), g.host, g.port)
+        self._loop.call(self.runner.serve_gateway, url, token)
+        return url
 
     def prepare(self, ckpt: str, lease_s: float) -> dict:
         """Close admission and (prefix level) cut every in-flight call."""
@@ -81,5 +93,7 @@ class RolloutEnvironment:
         return self._loop.call(self.runner.diagnostics) | dict(self.refused)
 
     def close(self) -> None:
+        if self._gateway is not None:
+            self._gateway.stop()
         self._loop.run(self.runner.aclose())
         self._loop.stop()

@@ -56,6 +56,11 @@ from rollout_recovery.protocol import (
     rollout_id,
 )
 
+
+class EpisodeFailed(RuntimeError):
+    """The user's episode function raised (not a divergence): the step fails, naming it."""
+
+
 # Request fields the environment sets itself: the position-keyed sampler takes the seed and
 # temperature, logprobs are always captured, and one call is one choice.
 OWN_FIELDS = ("model", "seed", "logprobs", "n", "messages")
@@ -101,7 +106,8 @@ class EpisodeRunner:
         self.inflight: dict[str, tuple[int, CallIdentity]] = {}  # rollout -> (worker, call)
         self._cuts: dict[str, Continuation] = {}  # this checkpoint's continuations, by rollout
         self._next_worker = itertools.count()
-        self.gateway_url: str | None = None
+        self.gateway_url: str | None = None  # set when the environment serves a gateway
+        self.gateway_token: str | None = None
         self.counts: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ episodes
@@ -129,7 +135,9 @@ class EpisodeRunner:
 
     def _context(self, st: EpisodeState) -> EpisodeContext:
         url = f"{self.gateway_url}/rollouts/{st.rollout_id}/v1" if self.gateway_url else None
-        ctx = EpisodeContext(st, self, self.max_turns, self.scratch_root, self.counts, url)
+        ctx = EpisodeContext(st, self, self.max_turns, self.scratch_root, self.counts,
+                             dict(self.cfg.environment.settings), url,
+                             self.gateway_token)  # fmt: skip
         self.episodes[st.rollout_id] = st
         self.contexts[st.rollout_id] = ctx
         return ctx
@@ -138,8 +146,19 @@ class EpisodeRunner:
         """Run the episode function to its end; a replay that diverges from its journal starts
         the episode over as a fresh attempt."""
         while True:
+            ctx = self._context(st)
             try:
-                result = await self.episode_fn(self._context(st), st.task)
+                try:
+                    result = await self.episode_fn(ctx, st.task)
+                except Exception as err:
+                    if ctx.diverged is not None:  # the function failed on a refused step
+                        raise ctx.diverged from None
+                    raise EpisodeFailed(
+                        f"{st.rollout_id}: environment.episode={self.cfg.environment.episode} "
+                        f"raised {type(err).__name__}: {err}"
+                    ) from err
+                if ctx.diverged is not None:
+                    raise ctx.diverged
                 if len(st.journal) < len(st.replay):
                     raise JournalDiverged(
                         "journal_unconsumed",
@@ -167,6 +186,10 @@ class EpisodeRunner:
             self.episodes.pop(st.rollout_id, None)
             self.contexts.pop(st.rollout_id, None)
         return EpisodeOutcome(row, st.decoded, result)
+
+    def serve_gateway(self, url: str, token: str) -> None:
+        """Episodes started from now on see their rollout's gateway URL and the token."""
+        self.gateway_url, self.gateway_token = url, token
 
     def adopt(self, st: EpisodeState, entry: TokenEntry, messages: list[dict], message: dict):
         """A call answered from the journal becomes lineage the next call resolves to."""

@@ -53,6 +53,8 @@ def serve_args(cfg: WorkerConfig, model: str, host: str, port: int) -> list[str]
         args += ["--logits-processors", SAMPLER_FQCN]
     if v.enforce_eager:
         args.append("--enforce-eager")
+    if v.tool_call_parser:
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", v.tool_call_parser]
     if v.kv_cache_memory_bytes is not None:
         args += ["--kv-cache-memory-bytes", str(v.kv_cache_memory_bytes)]
     else:

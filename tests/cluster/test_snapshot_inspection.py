@@ -26,8 +26,8 @@ CUT = Continuation(call_id="c0", attempt=0, keys=["r-g0/c0/a0/c000000"], tokens=
 UNCUT = Continuation(call_id="c1", attempt=1)
 EPISODE = EpisodeRecord(
     rollout_id="r-g0", group_id="r", generation_index=0, seed=7, attempt=0,
-    messages=[{"role": "user", "content": "go"}], state=None,
-    turns=[TurnRef(entry_id="r-g0/c0/a0", payload_sha256="ef" * 32, request_messages=1)],
+    task={"messages": [{"role": "user", "content": "go"}]},
+    turns=[TurnRef(entry_id="r-g0/c0/a0", payload_sha256="ef" * 32)],
     continuation=CUT,
 )  # fmt: skip
 

@@ -1,0 +1,104 @@
+"""The rollout gateway's backend: an HTTP call on `/rollouts/{id}/v1` becomes `ctx.chat` of
+that rollout's running episode, on the environment's loop.
+
+So a harness in another process gets everything an episode function gets: capture, lineage,
+the parent's exact prefix, parking during checkpoints, cuts, and after a restore the calls it
+already made answered from the journal (with the response it got the first time) and the call
+in flight continued from its prefix. A rollout exists while its episode runs; calls to one
+that finished get 409, to one never seen 404. One rollout serves one call at a time, since
+its journal is one sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+from rollout_recovery.environment.context import JournalDiverged
+from rollout_recovery.environment.model_client import ModelCallFailed
+from rollout_recovery.gateway.wire import (
+    CallRefused,
+    GatewayError,
+    GatewayReply,
+    RolloutFinished,
+    UnknownRollout,
+)
+
+SOURCE_HEADER = "x-rollout-recovery-source"
+CALL_HEADER = "x-rollout-recovery-call-id"
+ATTEMPT_HEADER = "x-rollout-recovery-attempt"
+# Fields of the worker's response the gateway asked for itself (capture), not the harness.
+CAPTURE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "kv_transfer_params")
+
+
+class EpisodeGateway:
+    """`GatewayBackend` over an `EpisodeRunner`; every episode step runs on `loop`."""
+
+    def __init__(self, runner, loop: asyncio.AbstractEventLoop) -> None:
+        self.runner, self.loop = runner, loop
+        self._busy: set[str] = set()
+
+    def rollouts(self) -> list[str]:
+        return sorted(self.runner.contexts)
+
+    async def chat(self, rollout_id: str, body: dict) -> GatewayReply:
+        future = asyncio.run_coroutine_threadsafe(self._chat(rollout_id, body), self.loop)
+        return await asyncio.wrap_future(future)
+
+    async def _chat(self, rollout_id: str, body: dict) -> GatewayReply:
+        ctx = self.runner.contexts.get(rollout_id)
+        if ctx is None:
+            if rollout_id in self.runner.finished:
+                raise RolloutFinished(f"rollout {rollout_id} has finished; start another rollout")
+            raise UnknownRollout(f"no episode {rollout_id} is running in this environment")
+        if rollout_id in self._busy:
+            raise CallRefused(
+                f"rollout {rollout_id} is serving a call; one rollout makes one call at a time",
+                reason="call_in_progress",
+            )
+        fields = dict(body)
+        messages = fields.pop("messages")
+        want_logprobs = bool(fields.pop("logprobs", False))
+        top = fields.pop("top_logprobs", None)
+        if want_logprobs and top:
+            fields["top_logprobs"] = top
+        max_tokens = fields.pop("max_completion_tokens", None) or fields.pop("max_tokens", None)
+        for name in ("model", "seed", "n", "user", "metadata", "frequency_penalty",
+                     "presence_penalty"):  # fmt: skip
+            fields.pop(name, None)  # the environment's own, or no effect on the tokens
+        self._busy.add(rollout_id)
+        try:
+            reply = await ctx.chat(messages, max_tokens=max_tokens, keep_response=True, **fields)
+        except ModelCallFailed as err:
+            if err.status >= 500:
+                raise
+            raise GatewayError(f"the worker refused the call: {err.text[:500]}",
+                               reason="worker_rejected", status=400) from None  # fmt: skip
+        except JournalDiverged as err:
+            raise CallRefused(
+                f"rollout {rollout_id} asked for another call than it made before the restore "
+                f"({err}); the episode starts over",
+                reason="replay_diverged",
+            ) from None
+        finally:
+            self._busy.discard(rollout_id)
+        if reply.response is None:
+            raise CallRefused(f"{rollout_id}/{reply.call_id} has no recorded response",
+                              reason="no_recorded_response")  # fmt: skip
+        response = _as_asked(reply.response, want_logprobs)
+        headers = {SOURCE_HEADER: reply.source, CALL_HEADER: reply.call_id,
+                   ATTEMPT_HEADER: str(reply.attempt)}  # fmt: skip
+        return GatewayReply(response, headers)
+
+
+def _as_asked(response: dict[str, Any], logprobs: bool) -> dict[str, Any]:
+    """The worker's response without what the environment asked for on its own behalf."""
+    out = copy.deepcopy(response)
+    for name in CAPTURE_FIELDS:
+        out.pop(name, None)
+    for choice in out.get("choices", []):
+        choice.pop("token_ids", None)
+        if not logprobs:
+            choice["logprobs"] = None
+    return out
