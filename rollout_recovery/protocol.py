@@ -362,12 +362,12 @@ class EpisodeRecord(BaseModel):
         """A format-1 record (the built-in loop's, before episode functions) still loads, so
         its snapshot stays usable: its task is its first prompt, and the environment refuses
         the record itself (`restore_refused.record_format`), starting the episode over."""
-        if not isinstance(data, dict) or data.get("format") != 1:
+        if not isinstance(data, dict) or data.get("format") != 1 or "messages" not in data:
             return data
         old = {k: v for k, v in data.items() if k not in ("messages", "state")}
         messages = data.get("messages", [])
         turns = [{k: t[k] for k in ("entry_id", "payload_sha256")} for t in old.get("turns", [])]
-        first = data["turns"][0]["request_messages"] if turns else len(messages)
+        first = data["turns"][0].get("request_messages", 1) if turns else len(messages)
         return old | {"task": {"messages": messages[:first]}, "turns": turns}
 
 

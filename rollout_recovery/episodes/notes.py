@@ -67,7 +67,11 @@ class NoteStore:
         return result
 
     def _write(self, state: dict[str, Any]) -> None:
-        """Replace the store file atomically, so a crash never leaves a torn store."""
+        """Replace the store file atomically, so a crash never leaves a torn store. A temporary
+        file left by a write a crash cut short is removed first: the store has one writer
+        (its episode), and that write's effect runs again on replay, since it never finished."""
+        for stale in self.dir.glob(".notes-*.tmp"):
+            stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".notes-", suffix=".tmp", dir=self.dir)
         try:
             with os.fdopen(fd, "w") as f:

@@ -235,3 +235,27 @@ def test_a_record_keeps_the_moment_it_was_taken_while_the_episode_goes_on():
     st.journal.append(st.journal[0])
     st.journal[1].result["tally"] = 99
     assert len(record.journal) == 2 and record.journal[1].result["tally"] == 2
+
+
+def test_the_readme_environment_runs_and_replays_with_each_note_once(tmp_path):
+    """The complete environment the README shows, run as written: its notes are saved once
+    per turn, and a replay from a checkpoint after the first note runs the second note's
+    effect again, which its effect id absorbs."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    source = readme.split("```python\n# my_env.py")[1].split("```")[0]
+    assert len(source.splitlines()) < 40
+    env: dict = {}
+    exec(compile("# my_env.py" + source, "my_env.py", "exec"), env)
+    [task] = env["tasks"](1, seed=5)
+    st, counts = EpisodeState("r-g0", "r", 0, 7, task), Counter()
+    result = asyncio.run(env["episode"](EpisodeContext(st, ScriptedModel(), 3, tmp_path, counts),
+                                        task))  # fmt: skip
+    assert result == {"notes": ["a1", "7b"]} and counts["effects.executed"] == 2
+    assert 0 < env["reward"](task, result) < 1
+    back, model = _restored(st, 2), ScriptedModel()
+    again = asyncio.run(env["episode"](EpisodeContext(back, model, 3, tmp_path, Counter()), task))
+    assert again == result and model.decoded == ["c1", "c2"]
+    stored = json.loads((tmp_path / "r-g0" / "start-0" / "notes.json").read_text())
+    assert list(stored.values()) == ["a1", "7b"]

@@ -150,6 +150,18 @@ def test_failed_write_leaves_old_state_and_no_temp_file(tmp_path: Path, monkeypa
     assert store.append("r/e1", "34")["register"] == 10
 
 
+def test_a_write_cut_short_by_a_crash_leaves_nothing_once_its_effect_runs_again(tmp_path):
+    """A SIGKILL between the temporary file and the rename leaves the temporary file; the
+    effect never finished, so it runs again on replay, and that write removes it."""
+    store = notes.NoteStore(tmp_path)
+    store.append("r/e0", "12")
+    (tmp_path / ".notes-killed.tmp").write_text('{"torn')
+    assert notes.applied_exactly_once(tmp_path) != []
+    store.append("r/e1", "34")
+    assert notes.applied_exactly_once(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [notes.STORE_FILE]
+
+
 def test_effect_needs_an_effect_id(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         notes.append_note(str(tmp_path), None, "1")
