@@ -43,6 +43,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -521,7 +522,7 @@ def main() -> int:
     if kill_steps(args)[-1] >= args.steps:
         sys.exit(f"FAIL: {args.kills} kills need --steps > {kill_steps(args)[-1]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    for d in ("reference", "recovered", "saved"):
+    for d in ("reference", "recovered", "saved", "scratch"):
         subprocess.run(["rm", "-rf", str(args.out / d)], check=True)
     if args.from_kill:
         return from_kill(args)
@@ -572,8 +573,11 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
     for k, min_step in enumerate(kill_steps(args), start=1):
         kills.append(kill_phase(args, rec_dir, k, min_step))
     # Kept for --from-kill: the reference and the state the last kill left, on local disk.
-    copy_run(ref_dir, str(args.out / "saved" / "reference"))
-    copy_run(rec_dir, str(args.out / "saved" / "killed"))
+    for run_dir, name in ((ref_dir, "reference"), (rec_dir, "killed")):
+        copy_run(run_dir, str(args.out / "saved" / name))
+        scratch = scratch_dir(args, run_dir)
+        if "://" in run_dir and scratch.exists():  # local even when the checkpoints are not
+            shutil.copytree(scratch, args.out / "saved" / name / "scratch")
     (args.out / "saved" / "kills.json").write_text(json.dumps(kills))
     last_phase(args, rec_dir, len(kills) + 1)
     return report(args, ref_dir, rec_dir, kills)

@@ -270,8 +270,10 @@ class EpisodeRunner:
 
     def _continuation(self, ep: EpisodeState) -> Continuation | None:
         """The call in flight at this checkpoint: its cut, or (not cut) its identity alone."""
-        if ep.rollout_id in self.pending or len(ep.replay) > len(ep.journal):
-            return ep.continuation  # not replayed up to its call yet: its record is unchanged
+        if ep.rollout_id in self.pending or ep.continuation is not None:
+            # A restored call not made again yet (the episode is replaying its journal, or a
+            # harness is still starting): its continuation stands, and so do its chunk rows.
+            return ep.continuation
         if ep.rollout_id not in self.inflight:
             return None  # parked at a turn boundary
         call = self.inflight[ep.rollout_id][1]

@@ -1,6 +1,12 @@
 """The recovery functional tests at a small size (reference, SIGKILL, restore, parity), and
 proof that the checks fail when recovery breaks: a deliberately broken restore of the same
-killed run (resume disabled, committed turns decoded again) and one perturbed logprob."""
+killed run (resume disabled, committed turns decoded again) and one perturbed logprob.
+
+The user-environment check (functional_tests/env_recovery.sh) runs here as the prefix check
+(the notes agent, two kills, local files) and the turn check (the notes agent, on S3); the
+gateway check (functional_tests/gateway_recovery.sh) runs an `openai` client harness per
+rollout through the gateway. The built-in single-turn task's prefix recovery is killed at
+every crash point by tests/functional/test_crash_campaign.py."""
 
 from __future__ import annotations
 
@@ -24,8 +30,11 @@ def _check(*args: str) -> subprocess.CompletedProcess:
                           timeout=900, check=False)  # fmt: skip
 
 
-PREFIX = ["--level", "prefix", "--steps", "2", "--max-tokens", "256", "--cuts", "2"]
-TURN = ["--level", "turn", "--steps", "2", "--max-tokens", "64", "--cuts", "2"]
+NOTES = ["--env", "notes", "--steps", "2", "--cuts", "2"]
+PREFIX = [*NOTES, "--level", "prefix", "--max-tokens", "128"]
+TURN = [*NOTES, "--level", "turn", "--max-tokens", "64"]
+GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "2", "--max-tokens", "128",
+           "--cuts", "2"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +43,15 @@ def prefix_run(tmp_path_factory) -> Path:
     trainer checkpoint)."""
     out = tmp_path_factory.mktemp("prefix")
     proc = _check("--out", str(out), *PREFIX, "--kills", "2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def gateway_run(tmp_path_factory) -> Path:
+    """The harness processes are killed with the job and start again from the top."""
+    out = tmp_path_factory.mktemp("gateway")
+    proc = _check("--out", str(out), *GATEWAY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -56,8 +74,10 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
     """The same batches, losses equal, the final trainer checkpoint the same bytes as the
     uninterrupted run's; the engines resumed every cut call; the kill's lost work measured."""
     report = _report(prefix_run)
-    assert report["violations"] == []
+    assert report["violations"] == [] and report["env"] == "notes"
     assert [k["step"] for k in report["kills"]] == [0, 1]
+    # Every note-store effect of every episode logged once, the stores equal the reference's.
+    assert report["effects"]["episodes"] == 16 and report["effects"]["effects"] == 32
     assert report["restored_calls"] >= 4 and report["restored_prefix_tokens"] > 0
     assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
                for s in report["steps"])  # fmt: skip
@@ -80,7 +100,7 @@ def test_the_check_fails_when_workers_silently_ignore_continuations(prefix_run, 
     assert all(s["same_batch"] and s["loss_abs_diff"] == 0 for s in report["steps"])
     assert report["violations"] and all(v.startswith("[resumed]") for v in report["violations"])
     lost = report["lost_work"][-1]
-    assert lost["prefix"] == lost["none"]  # everything decoded again
+    assert lost["prefix"] == lost["turn"]  # every call in flight decoded again from its start
 
 
 def test_the_check_fails_on_one_perturbed_generation_logprob(prefix_run, tmp_path):
@@ -112,6 +132,7 @@ def test_the_check_fails_on_one_perturbed_generation_logprob(prefix_run, tmp_pat
 def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(turn_run):
     report = _report(turn_run)
     assert report["violations"] == [] and report["level"] == "turn"
+    assert report["env"] == "notes" and report["effects"]["effects"] == 32
     assert report["storage"] == "s3" and not (turn_run / "recovered").exists()
     assert report["restored_episodes"] >= 2 and report["restored_turn_tokens"] > 0
     assert all(s["same_batch"] and s["same_reward"] for s in report["steps"])
@@ -130,3 +151,18 @@ def test_the_check_fails_when_committed_turns_are_decoded_again(turn_run, tmp_pa
     assert report["violations"]
     assert all(v.startswith("[committed_turn_decoded_again]") or "episodes re-admitted" in v
                for v in report["violations"])  # fmt: skip
+
+
+def test_an_openai_harness_through_the_gateway_recovers_with_parity(gateway_run):
+    """Killed with its harnesses mid-run; the restarted harnesses made the same calls: those
+    already made were answered from the journal, the cut ones resumed, and the engines' own
+    records show no committed call decoded again (a violation otherwise)."""
+    report = _report(gateway_run)
+    assert report["violations"] == [] and report["env"] == "gateway"
+    assert report["restored_calls"] >= 2 and report["restored_prefix_tokens"] > 0
+    assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
+               for s in report["steps"])  # fmt: skip
+    ckpt = report["final_trainer_checkpoint"]
+    assert ckpt["reference"] == ckpt["recovered"]
+    [lost] = report["lost_work"]
+    assert lost["prefix"] < lost["turn"] <= lost["none"]

@@ -259,3 +259,22 @@ def test_the_readme_environment_runs_and_replays_with_each_note_once(tmp_path):
     assert again == result and model.decoded == ["c1", "c2"]
     stored = json.loads((tmp_path / "r-g0" / "start-0" / "notes.json").read_text())
     assert list(stored.values()) == ["a1", "7b"]
+
+
+def test_a_restored_call_not_made_again_yet_keeps_its_continuation_at_a_checkpoint():
+    """A restored episode whose in-flight call has not been made again (its harness is still
+    starting, or it is replaying its journal) is checkpointed with that call's continuation,
+    so the commit's sweep keeps its chunk rows. Dropping it lost the rows: the worker then
+    refused the resume (missing_chunk), which only the engine records showed."""
+    env = RolloutEnvironment(load_config(None, []).environment_config(), WorkerPool([]), None)
+    try:
+        st, _ = _finished()
+        cont = Continuation(call_id="c1", attempt=0, keys=["r-g0/c1/a0/c000000"], tokens=4)
+        back = EpisodeState.from_record(st.to_record(cont), {e.entry_id: e for e in st.turns}.get)
+        back.replay = back.replay[:2]  # replayed up to its call, which is not made yet
+        back.journal = list(back.replay)
+        env.runner.episodes[back.rollout_id] = back
+        assert env.runner._continuation(back) == cont
+        assert back.to_record(env.runner._continuation(back)).continuation == cont
+    finally:
+        env.close()
