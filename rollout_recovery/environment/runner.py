@@ -104,6 +104,7 @@ class EpisodeRunner:
         self.contexts: dict[str, EpisodeContext] = {}  # the running attempt of each episode
         self.finished: set[str] = set()  # rollouts finished by this environment
         self.inflight: dict[str, tuple[int, CallIdentity]] = {}  # rollout -> (worker, call)
+        self.resuming: dict[str, Continuation] = {}  # in flight from a restored prefix
         self._cuts: dict[str, Continuation] = {}  # this checkpoint's continuations, by rollout
         self._next_worker = itertools.count()
         self.gateway_url: str | None = None  # set when the environment serves a gateway
@@ -126,6 +127,7 @@ class EpisodeRunner:
                     continue
                 st = restored or EpisodeState(rid, gid, i, seed, dict(task))
                 st.worker = next(self._next_worker) % len(self.clients)
+                self.episodes[rid] = st  # recorded by a checkpoint from now on
                 jobs.append(self._episode(st, weight_version, restored is not None))
         return await asyncio.gather(*jobs)
 
@@ -202,7 +204,7 @@ class EpisodeRunner:
         taken, resumed from its cut prefix when a restore brought one."""
         g = self.cfg.policy.generation
         turn, call = len(st.turns), CallIdentity(st.rollout_id, st.next_call_id, st.attempt)
-        cont, st.continuation = st.continuation, None
+        cont = st.continuation
         if cont is not None and cont.call_id != call.model_call_id:
             cont = None
         fields = {k: v for k, v in request.items() if k not in OWN_FIELDS and v is not None}
@@ -214,8 +216,14 @@ class EpisodeRunner:
             self.counts["restored_calls"] += 1
             self.counts["restored_prefix_tokens"] += cont.tokens
             xargs |= cont.to_request_fields(max_tokens)
-        await self.participant.admitted()  # parked while a checkpoint is being taken
+        # Parked while a checkpoint is being taken; until the call is in flight, a checkpoint
+        # records the restored continuation, and from then until it ends the sweep keeps the
+        # rows the worker resumes it from.
+        await self.participant.admitted()
+        st.continuation = None
         self.inflight[st.rollout_id] = (st.worker, call)
+        if cont is not None and cont.cut:
+            self.resuming[st.rollout_id] = cont
         try:
             res = await self.clients[st.worker].call(
                 st.rollout_id,
@@ -229,6 +237,7 @@ class EpisodeRunner:
             )
         finally:
             self.inflight.pop(st.rollout_id, None)
+            self.resuming.pop(st.rollout_id, None)
         n = len(res.entry.generated_token_ids)
         st.decoded += n - (cont.tokens if cont is not None and cont.cut else 0)
         if cont is not None and cont.cut:
@@ -293,7 +302,8 @@ class EpisodeRunner:
             if rec.continuation is not None:
                 out.continuations[ep.rollout_id] = rec.continuation
         live = {call for _, call in self.inflight.values()}
-        out.chunk_rows_swept = await self.sweep(out.continuations.values(), live)
+        keep = [*out.continuations.values(), *self.resuming.values()]
+        out.chunk_rows_swept = await self.sweep(keep, live)
         return out
 
     async def sweep(self, continuations: Iterable[Continuation | None], live: set) -> int:

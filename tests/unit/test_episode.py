@@ -278,3 +278,73 @@ def test_a_restored_call_not_made_again_yet_keeps_its_continuation_at_a_checkpoi
         assert back.to_record(env.runner._continuation(back)).continuation == cont
     finally:
         env.close()
+
+
+class _Staging:
+    """The store's staging partition as the environment's sweep sees it."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self.keys = list(keys)
+
+    async def alist(self, partition: str) -> list[str]:
+        return list(self.keys)
+
+    async def adelete(self, partition: str, keys: list[str]) -> None:
+        self.keys = [k for k in self.keys if k not in keys]
+
+
+class _HeldClient:
+    """A worker call that stays in flight until released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def call(self, *args, **kwargs):
+        await self.release.wait()
+        raise RuntimeError("released")
+
+
+def test_the_rows_a_restored_call_resumes_from_survive_checkpoints_until_it_ends():
+    """A restored call parked by a checkpoint (admission closed) and then in flight: every
+    commit in between keeps the chunk rows its continuation names. Popping the continuation
+    before parking let the sweep delete them (the worker refused: missing_chunk)."""
+    from rollout_recovery.environment.runner import EpisodeRunner
+
+    key = "r-g0/c1/a0/c000000"
+    cfg = load_config(
+        None, ["rollout_recovery.target_level=turn", "checkpointing.save_data_plane=true"]
+    ).environment_config()
+
+    st, _ = _finished()
+
+    async def scenario() -> list[list[str]]:
+        staging = _Staging([key, "r-g9/c0/a0/c000000"])  # the second: a dead call's row
+        runner = EpisodeRunner(cfg, WorkerPool([]), None)
+        runner.store, runner.clients = staging, [_HeldClient()]
+        st.journal, st.turns = st.journal[:2], st.turns[:1]
+        st.attempt, st.continuation = 1, Continuation(call_id="c1", attempt=0, keys=[key],
+                                                      tokens=4, digest="00")  # fmt: skip
+        runner.episodes[st.rollout_id] = st
+        seen = []
+        await runner.prepare("k1", lease_s=60)  # admission closed
+        call = asyncio.create_task(runner.call(st, [{"role": "user", "content": "x"}], {}))
+        await asyncio.sleep(0.05)  # parked
+        records = await runner.commit("k1")
+        seen.append(list(staging.keys))
+        assert records.continuations[st.rollout_id].keys == [key]
+        runner.participant.resume("k1")
+        await asyncio.sleep(0.05)  # now in flight, resuming from the rows
+        assert st.rollout_id in runner.inflight
+        await runner.prepare("k2", lease_s=60)
+        await runner.commit("k2")
+        seen.append(list(staging.keys))
+        runner.participant.resume("k2")
+        runner.clients[0].release.set()
+        with pytest.raises(RuntimeError, match="released"):
+            await call
+        await runner.prepare("k3", lease_s=60)
+        await runner.commit("k3")  # the call ended: its rows may go
+        seen.append(list(staging.keys))
+        return seen
+
+    assert asyncio.run(scenario()) == [[key], [key], []]
