@@ -407,7 +407,12 @@ def compare_results(ref_dir: str, rec_dir: str, step: int, max_turns: int) -> li
         if state is None:
             continue
         if state != ref.get(key):
-            out.append(f"step {step}: {key} ended with result {state}, not {ref.get(key)}")
+            want = ref.get(key)
+            differ = "the value"
+            if isinstance(state, dict) and isinstance(want, dict):
+                differ = sorted(k for k in {*state, *want} if state.get(k) != want.get(k))
+            out.append(f"step {step}: {key} ended with another result than the reference's "
+                       f"({differ}): {str(state)[:200]}")  # fmt: skip
         elif "tally" in state and state["effects"] != list(range(max_turns - 1)):
             out.append(f"step {step}: {key} tool effects {state['effects']} (each turn once)")
     return out
