@@ -25,8 +25,10 @@ controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +81,9 @@ class RolloutRecovery:
         self.gateway_url: str | None = None  # the rollout gateway, when gateway.enabled
         self.gateway_token: str | None = None
 
-    def start(self) -> RolloutRecovery:
+    def start(self, standalone_gateway: bool = False) -> RolloutRecovery:
+        """Start the store, workers and environment (and, with `gateway.enabled`, the gateway
+        the episode functions use; `standalone_gateway`: `serve_rollouts` starts it later)."""
         if self.owner is None:
             self.owner = StagingStore.claim(self.storage.child_uri(DATA_PLANE))
         init_ray(self.ray_address, log_to_driver=False)
@@ -92,7 +96,7 @@ class RolloutRecovery:
         self.coordinator = CheckpointCoordinator(ckpt_cfg, self.state, self.store, self.workers,
                                                  self.env, self.storage, self.metrics,
                                                  self.owner)  # fmt: skip
-        if self.cfg.gateway.enabled:
+        if self.cfg.gateway.enabled and not standalone_gateway:
             self.gateway_token = secrets.token_urlsafe(24)
             self.gateway_url = self.env.start_gateway(self.gateway_token)
             print(f"rollout gateway at {self.gateway_url}/rollouts/<rollout_id>/v1", flush=True)
@@ -183,6 +187,20 @@ class RolloutRecovery:
         self.state.step = chosen.ledger.step
         return chosen.ledger.model_dump(mode="json") | {"snapshot": chosen.snapshot,
                                                         "skipped": chosen.skipped}  # fmt: skip
+
+    def serve_rollouts(self, stop: threading.Event, token: str | None = None) -> dict | None:
+        """A standalone gateway: rollouts opened, served and finished over HTTP by harnesses
+        outside the job (docs/gateway.md), checkpointed on the cadence, until `stop` is set;
+        then one last checkpoint keeps every open rollout. Its metrics, None if it failed."""
+        self.gateway_token = token or secrets.token_urlsafe(24)
+        self.gateway_url = self.env.start_gateway(self.gateway_token, self.state.weight_version)
+
+        async def until_stopped() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.1)
+
+        self._loop.run(self.coordinator.alongside(until_stopped()))
+        return self._loop.run(self.coordinator.counted("shutdown"))
 
     def notify_trainer_checkpoint(self, step: int) -> dict:
         """After a trainer checkpoint: snapshot the data plane (so a restore never pairs

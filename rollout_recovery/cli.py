@@ -6,8 +6,10 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 import time
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -25,6 +27,9 @@ from rollout_recovery.config import (
 
 DEFAULT_CONFIG = "configs/grpo_tiny_cpu.yaml"
 DEMO_PROMPT = "What is 2 + 3?"
+
+
+GATEWAY_TOKEN_ENV = "ROLLOUT_RECOVERY_GATEWAY_TOKEN"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -219,6 +224,49 @@ def _cmd_train(args: argparse.Namespace) -> int:
             f"{last['mean_reward']:.3f}; log {cfg.checkpointing.checkpoint_dir}/steps.jsonl"
         )
     return 0
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    from rollout_recovery.api import RolloutRecovery
+    from rollout_recovery.controller.selection import run_has_state
+    from rollout_recovery.errors import RunExistsError
+    from rollout_recovery.storage import RunStorage
+
+    cfg = load_config(args.config, args.overrides)
+    storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+    storage.check_writable()
+    found = run_has_state(storage)
+    if found and not args.restore:
+        raise RunExistsError(
+            f"checkpointing.checkpoint_dir={storage.display()} already holds a run "
+            f"({', '.join(found)}); continue it with `gateway --restore`, or choose another "
+            "checkpointing.checkpoint_dir (nothing was deleted)"
+        )
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    rr = RolloutRecovery(cfg, args.ray_address).start(standalone_gateway=True)
+    try:
+        if args.restore:
+            ledger = rr.restore()
+            if ledger is not None:
+                print(f"restored {ledger['snapshot']}: {len(ledger['episodes'])} open rollouts "
+                      "continue when their harnesses open them again", flush=True)  # fmt: skip
+        threading.Thread(target=_announce_gateway, args=(rr, stop), daemon=True).start()
+        rr.serve_rollouts(stop, os.environ.get(GATEWAY_TOKEN_ENV))
+    finally:
+        rr.close()
+    print("gateway stopped; open rollouts were checkpointed", flush=True)
+    return 0
+
+
+def _announce_gateway(rr, stop: threading.Event) -> None:
+    """Print the URL and token once the gateway listens (serve_rollouts blocks the caller)."""
+    while rr.gateway_url is None and not stop.is_set():
+        time.sleep(0.05)
+    if rr.gateway_url is not None:
+        print(f"rollout gateway at {rr.gateway_url} (token {rr.gateway_token}): POST /rollouts "
+              "to open one; press Ctrl-C to stop", flush=True)  # fmt: skip
 
 
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
@@ -449,6 +497,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_ray_args(p)
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "gateway",
+        help="serve the rollout gateway for harnesses outside the job until Ctrl-C",
+        description="Start the workers and the environment and serve the OpenAI-compatible "
+        "rollout gateway: harnesses open rollouts (POST /rollouts), call the model through "
+        "their base URL and finish them (POST /rollouts/ID/finish); finished rollouts are "
+        f"leased for training (POST /replay/lease, /replay/ack). The token is printed, or "
+        f"taken from {GATEWAY_TOKEN_ENV}. Checkpoints run on the cadence and at exit.",
+    )
+    _add_config_args(p)
+    _add_ray_args(p)
+    p.add_argument(
+        "--restore",
+        action="store_true",
+        help="continue from the newest published snapshot: open rollouts resume when their "
+        "harnesses open them again",
+    )
+    p.set_defaults(func=_cmd_gateway)
 
     _add_snapshots_parser(sub)
     return parser

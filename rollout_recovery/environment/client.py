@@ -43,8 +43,8 @@ class EnvironmentClient:
     ) -> list[EpisodeOutcome]:
         return await self.actor.run_groups.remote(groups, seeds, weight_version)
 
-    def start_gateway(self, token: str) -> str:
-        return ray.get(self.actor.start_gateway.remote(token))
+    def start_gateway(self, token: str, standalone_weight_version: int | None = None) -> str:
+        return ray.get(self.actor.start_gateway.remote(token, standalone_weight_version))
 
     async def prepare(self, ckpt: str, lease_s: float) -> dict:
         return await self.actor.prepare.remote(ckpt, lease_s)

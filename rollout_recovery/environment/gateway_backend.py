@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 from typing import Any
 
+from rollout_recovery.data_plane import table_to_replay_rows
 from rollout_recovery.environment.context import JournalDiverged
 from rollout_recovery.environment.model_client import ModelCallFailed
+from rollout_recovery.environment.runner import RolloutRefused
 from rollout_recovery.gateway.wire import (
     CallRefused,
     GatewayError,
@@ -76,9 +79,14 @@ class EpisodeGateway:
             raise GatewayError(f"the worker refused the call: {err.text[:500]}",
                                reason="worker_rejected", status=400) from None  # fmt: skip
         except JournalDiverged as err:
+            if rollout_id in self.runner._results:  # opened from outside: the harness reopens
+                await self.runner.abandon_rollout(rollout_id, err.reason)
+                again = "; open the rollout again to start it over"
+            else:
+                again = "; the episode starts over"
             raise CallRefused(
                 f"rollout {rollout_id} asked for another call than it made before the restore "
-                f"({err}); the episode starts over",
+                f"({err}){again}",
                 reason="replay_diverged",
             ) from None
         finally:
@@ -102,3 +110,76 @@ def _as_asked(response: dict[str, Any], logprobs: bool) -> dict[str, Any]:
         if not logprobs:
             choice["logprobs"] = None
     return out
+
+
+class StandaloneGateway(EpisodeGateway):
+    """A gateway whose rollouts are opened and finished from outside, and whose finished
+    rollouts are leased for training over HTTP (`rollout-recovery gateway`)."""
+
+    def __init__(self, runner, loop: asyncio.AbstractEventLoop, weight_version: int) -> None:
+        super().__init__(runner, loop)
+        self.weight_version = weight_version
+
+    async def _on_loop(self, coro) -> Any:
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def open_rollout(self, body) -> dict:
+        seed = body.seed
+        if seed is None:  # stable per rollout, so a reopened rollout samples the same
+            digest = hashlib.sha256(f"{body.group_id}/{body.generation_index}".encode()).digest()
+            seed = int.from_bytes(digest[:7], "little")
+        opened = self.runner.open_rollout(body.group_id, body.generation_index, seed,
+                                          body.task, self.weight_version)  # fmt: skip
+        try:
+            st, restored = await self._on_loop(opened)
+        except RolloutRefused as err:
+            raise _refusal(err) from None
+        base = f"{self.runner.gateway_url}/rollouts/{st.rollout_id}/v1"
+        return {"rollout_id": st.rollout_id, "base_url": base, "attempt": st.attempt,
+                "restored": restored, "journaled_steps": len(st.replay)}  # fmt: skip
+
+    async def finish_rollout(self, rollout_id: str, result: Any) -> dict:
+        try:
+            outcome = await self._on_loop(self.runner.finish_rollout(rollout_id, result))
+        except RolloutRefused as err:
+            raise _refusal(err) from None
+        except Exception as err:  # the episode failed: its result or trajectory was unusable
+            raise CallRefused(f"rollout {rollout_id} failed: {err}", reason="rollout_failed",
+                              status=422) from None  # fmt: skip
+        row = outcome.row
+        return {"rollout_id": rollout_id, "replay_key": row.key, "reward": row.reward,
+                "tokens": len(row.token_ids), "decoded_tokens": outcome.decoded_tokens}  # fmt: skip
+
+    async def lease(self, body) -> dict:
+        store = self.runner.store
+        leased = await self._on_loop(store.alease("replay", "gateway", body.max_rows, body.ttl_s))
+        rows = [_row_json(r) for r in table_to_replay_rows(leased.rows)]
+        return {"lease_id": leased.lease_id, "rows": rows}
+
+    async def ack(self, lease_id: str) -> dict:
+        try:
+            return {"acked": await self._on_loop(self.runner.store.aack(lease_id))}
+        except Exception as err:  # an unknown or expired lease
+            raise GatewayError(f"cannot acknowledge lease {lease_id}: {err}",
+                               reason="unknown_lease", status=409) from None  # fmt: skip
+
+
+def _refusal(err: RolloutRefused) -> GatewayError:
+    if err.reason == "unknown_rollout":
+        return UnknownRollout(str(err))
+    return CallRefused(str(err), reason=err.reason)
+
+
+def _row_json(row) -> dict[str, Any]:
+    return {
+        "key": row.key,
+        "rollout_id": row.rollout_id,
+        "group_id": row.group_id,
+        "generation_index": row.generation_index,
+        "prompt_len": row.prompt_len,
+        "token_ids": row.token_ids.tolist(),
+        "loss_mask": row.loss_mask.tolist(),
+        "logprobs": None if row.logprobs is None else row.logprobs.tolist(),
+        "reward": row.reward,
+        "weight_version": row.weight_version_max,
+    }

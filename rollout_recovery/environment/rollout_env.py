@@ -14,7 +14,7 @@ from collections import Counter
 from rollout_recovery import faults
 from rollout_recovery.config import EnvironmentActorConfig
 from rollout_recovery.environment.episode import EpisodeState, RecordError
-from rollout_recovery.environment.gateway_backend import EpisodeGateway
+from rollout_recovery.environment.gateway_backend import EpisodeGateway, StandaloneGateway
 from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.gateway import GatewayServer, create_app
 from rollout_recovery.generation.pool import WorkerPool
@@ -47,10 +47,14 @@ class RolloutEnvironment:
         replay their journal."""
         return self._loop.run(self.runner.run_groups(groups, seeds, weight_version))
 
-    def start_gateway(self, token: str) -> str:
-        """Serve the rollout gateway (`gateway.host`/`port`); its base URL."""
+    def start_gateway(self, token: str, standalone_weight_version: int | None = None) -> str:
+        """Serve the rollout gateway (`gateway.host`/`port`); its base URL. Standalone (with
+        the weight version its rows record): rollouts are opened and finished over HTTP."""
         g = self.runner.cfg.gateway
-        backend = EpisodeGateway(self.runner, self._loop.loop)
+        if standalone_weight_version is None:
+            backend = EpisodeGateway(self.runner, self._loop.loop)
+        else:
+            backend = StandaloneGateway(self.runner, self._loop.loop, standalone_weight_version)
         self._gateway = GatewayServer()
         url = self._gateway.start(create_app(backend, token), g.host, g.port)
         self._loop.call(self.runner.serve_gateway, url, token)

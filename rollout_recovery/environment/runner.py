@@ -61,6 +61,14 @@ class EpisodeFailed(RuntimeError):
     """The user's episode function raised (not a divergence): the step fails, naming it."""
 
 
+class RolloutRefused(RuntimeError):
+    """An outside rollout-control call this environment cannot honour; `reason` names why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 # Request fields the environment sets itself: the position-keyed sampler takes the seed and
 # temperature, logprobs are always captured, and one call is one choice.
 OWN_FIELDS = ("model", "seed", "logprobs", "n", "messages")
@@ -107,6 +115,8 @@ class EpisodeRunner:
         self.resuming: dict[str, Continuation] = {}  # in flight from a restored prefix
         self._cuts: dict[str, Continuation] = {}  # this checkpoint's continuations, by rollout
         self._next_worker = itertools.count()
+        self._results: dict[str, asyncio.Future] = {}  # outside rollouts: the harness's result
+        self._open: dict[str, asyncio.Future] = {}  # outside rollouts: their episode
         self.gateway_url: str | None = None  # set when the environment serves a gateway
         self.gateway_token: str | None = None
         self.counts: Counter[str] = Counter()
@@ -131,6 +141,65 @@ class EpisodeRunner:
                 jobs.append(self._episode(st, weight_version, restored is not None))
         return await asyncio.gather(*jobs)
 
+    async def open_rollout(
+        self, group_id: str, index: int, seed: int, task: dict, weight_version: int
+    ) -> tuple[EpisodeState, bool]:
+        """An episode opened from outside (a standalone gateway): its function waits for the
+        harness's result (`finish_rollout`). Opening a rollout a restore brought back replays
+        its journal to the harness that makes its calls again."""
+        rid, key = rollout_id(group_id, index), replay_key(group_id, index)
+        if rid in self.finished or key in await self.store.alist("replay", key):
+            raise RolloutRefused("rollout_finished", f"rollout {rid} has finished")
+        if rid in self._results:
+            raise RolloutRefused("rollout_open", f"rollout {rid} is open; finish it first")
+        restored = self.pending.pop(rid, None)
+        if restored is not None and restored.task != task:
+            self.pending[rid] = restored
+            raise RolloutRefused("task_differs", f"rollout {rid} was restored with another task; "
+                                 "open it with the task it had")  # fmt: skip
+        st = restored or EpisodeState(rid, group_id, index, seed, dict(task))
+        st.worker = next(self._next_worker) % len(self.clients)
+        self.episodes[rid] = st
+        self._results[rid] = asyncio.get_running_loop().create_future()
+        self._open[rid] = asyncio.ensure_future(
+            self._episode(st, weight_version, restored is not None, self._harness_result)
+        )
+        return st, restored is not None
+
+    async def _harness_result(self, ctx: EpisodeContext, task: dict) -> Any:
+        return await asyncio.shield(self._results[ctx.rollout_id])
+
+    async def finish_rollout(self, rid: str, result: Any) -> EpisodeOutcome:
+        """The harness's result: the episode ends, its row is written to `replay`."""
+        future = self._results.get(rid)
+        if future is None:
+            if rid in self.finished:
+                raise RolloutRefused("rollout_finished", f"rollout {rid} has finished")
+            raise RolloutRefused("unknown_rollout", f"no rollout {rid} is open")
+        if future.done():
+            raise RolloutRefused("rollout_finishing", f"rollout {rid} is being finished")
+        future.set_result(result)
+        try:
+            return await self._open[rid]
+        finally:
+            self._open.pop(rid, None)
+            self._results.pop(rid, None)
+
+    async def abandon_rollout(self, rid: str, reason: str) -> None:
+        """An outside rollout whose harness diverged from its journal: it is closed, and
+        opening it again starts it over as a fresh attempt (counted by reason)."""
+        task = self._open.pop(rid, None)
+        self._results.pop(rid, None)
+        st = self.episodes.pop(rid, None)
+        self.contexts.pop(rid, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if st is not None:
+            self.counts[f"replay_diverged.{reason}"] += 1
+            self.lineage.forget(rid)
+            self.pending[rid] = st.fresh_start()
+
     async def _existing(self, key: str) -> EpisodeOutcome:
         table, _ = await self.store.aget("replay", [key])
         return EpisodeOutcome(table_to_replay_rows(table)[0], 0, None)
@@ -144,14 +213,14 @@ class EpisodeRunner:
         self.contexts[st.rollout_id] = ctx
         return ctx
 
-    async def _run_function(self, st: EpisodeState) -> tuple[EpisodeState, Any]:
+    async def _run_function(self, st: EpisodeState, fn) -> tuple[EpisodeState, Any]:
         """Run the episode function to its end; a replay that diverges from its journal starts
         the episode over as a fresh attempt."""
         while True:
             ctx = self._context(st)
             try:
                 try:
-                    result = await self.episode_fn(ctx, st.task)
+                    result = await fn(ctx, st.task)
                 except Exception as err:
                     if ctx.diverged is not None:  # the function failed on a refused step
                         raise ctx.diverged from None
@@ -173,11 +242,11 @@ class EpisodeRunner:
                 self.lineage.forget(st.rollout_id)
                 st = st.fresh_start()
 
-    async def _episode(self, st: EpisodeState, weight_version: int, restored: bool):
+    async def _episode(self, st: EpisodeState, weight_version: int, restored: bool, fn=None):
         if restored:
             self.counts["restored_episodes"] += 1
         try:
-            st, result = await self._run_function(st)
+            st, result = await self._run_function(st, fn or self.episode_fn)
             reward = self.reward_fn(st.task, result) if self.reward_fn else result
             row = replay_row(st, float(reward), weight_version)
             # Durable as soon as it is finished: a crash later does not regenerate it.

@@ -20,12 +20,18 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout_recovery.gateway.wire import (
+    AckBody,
+    FinishRolloutBody,
     GatewayBackend,
     GatewayError,
+    LeaseBody,
+    OpenRolloutBody,
     RequestRejected,
+    RolloutControl,
     UnknownRollout,
     completion_to_chunks,
     dumps,
+    parse_body,
     parse_chat_body,
     parse_json_object,
 )
@@ -159,6 +165,45 @@ def create_app(
             return _from_gateway_error(UnknownRollout(f"unknown rollout {rollout_id!r}"))
         model = {"id": model_name, "object": "model", "created": created, "owned_by": "rollout"}
         return Response(dumps({"object": "list", "data": [model]}), media_type="application/json")
+
+    async def control(call) -> Response:
+        """A rollout-control call: only a standalone gateway's backend serves them."""
+        if not isinstance(backend, RolloutControl):
+            return error_response(
+                409, "rollouts_managed", "this gateway's rollouts are opened and finished by "
+                "the training job; open rollouts from outside with `rollout-recovery gateway`",
+            )  # fmt: skip
+        try:
+            out = await call(backend)
+        except GatewayError as e:
+            return _from_gateway_error(e)
+        except Exception as e:
+            log.exception("gateway backend failed on a rollout-control call")
+            return error_response(502, "backend_error", f"backend failed: {e!r}")
+        return Response(dumps(out), media_type="application/json")
+
+    @app.post("/rollouts", dependencies=auth)
+    async def open_rollout(request: Request) -> Response:
+        raw = parse_json_object(await read_body(request, max_body_bytes))
+        body = parse_body(OpenRolloutBody, raw)
+        return await control(lambda b: b.open_rollout(body))
+
+    @app.post("/rollouts/{rollout_id:path}/finish", dependencies=auth)
+    async def finish_rollout(rollout_id: str, request: Request) -> Response:
+        check_rollout_id(rollout_id)
+        raw = parse_json_object(await read_body(request, max_body_bytes))
+        body = parse_body(FinishRolloutBody, raw)
+        return await control(lambda b: b.finish_rollout(rollout_id, body.result))
+
+    @app.post("/replay/lease", dependencies=auth)
+    async def lease(request: Request) -> Response:
+        body = parse_body(LeaseBody, parse_json_object(await read_body(request, max_body_bytes)))
+        return await control(lambda b: b.lease(body))
+
+    @app.post("/replay/ack", dependencies=auth)
+    async def ack(request: Request) -> Response:
+        body = parse_body(AckBody, parse_json_object(await read_body(request, max_body_bytes)))
+        return await control(lambda b: b.ack(body.lease_id))
 
     @app.post("/rollouts/{rollout_id:path}/v1/chat/completions", dependencies=auth)
     async def chat_completions(rollout_id: str, request: Request) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -74,6 +74,58 @@ class GatewayBackend(Protocol):
     async def chat(self, rollout_id: str, body: dict) -> GatewayReply: ...
 
     def rollouts(self) -> list[str]: ...
+
+
+@runtime_checkable
+class RolloutControl(Protocol):
+    """What a standalone gateway (`rollout-recovery gateway`) adds: rollouts opened and
+    finished from outside, and the finished ones leased for training."""
+
+    async def open_rollout(self, body: OpenRolloutBody) -> dict: ...
+
+    async def finish_rollout(self, rollout_id: str, result: Any) -> dict: ...
+
+    async def lease(self, body: LeaseBody) -> dict: ...
+
+    async def ack(self, lease_id: str) -> dict: ...
+
+
+class OpenRolloutBody(BaseModel):
+    """`POST /rollouts`: one episode of a GRPO group. Its rollout id is derived from the group
+    id and the index, so a harness that restarts after a crash opens the same rollout again
+    and gets its journal."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    group_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=160)
+    generation_index: int = Field(default=0, ge=0, le=9999)
+    task: dict[str, Any] = {}
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+
+
+class FinishRolloutBody(BaseModel):
+    """`POST /rollouts/{rollout_id}/finish`: the harness's result, scored by
+    `environment.reward` (without one, the result is the reward)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    result: Any = None
+
+
+class LeaseBody(BaseModel):
+    """`POST /replay/lease`: finished rollouts for training, redelivered unless acknowledged
+    within `ttl_s`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    max_rows: int = Field(ge=1, le=4096)
+    ttl_s: float = Field(default=600.0, gt=0, le=86400)
+
+
+class AckBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    lease_id: str = Field(min_length=1, max_length=200)
 
 
 class StreamOptions(BaseModel):
@@ -141,10 +193,14 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def parse_chat_body(data: dict[str, Any]) -> ChatCompletionBody:
-    """Validate a chat request and refuse what the gateway cannot serve exactly."""
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def parse_body(model: type[_Body], data: dict[str, Any]) -> _Body:
+    """Validate a request body: an unknown field is `unsupported_field`, a bad value
+    `invalid_field`, each naming the field."""
     try:
-        body = ChatCompletionBody.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
         errors = e.errors()
         extra = next((err for err in errors if err["type"] == "extra_forbidden"), None)
@@ -158,6 +214,11 @@ def parse_chat_body(data: dict[str, Any]) -> ChatCompletionBody:
         raise RequestRejected(
             f"invalid {name!r}: {err['msg']}", "invalid_field", param=name
         ) from None
+
+
+def parse_chat_body(data: dict[str, Any]) -> ChatCompletionBody:
+    """Validate a chat request and refuse what the gateway cannot serve exactly."""
+    body = parse_body(ChatCompletionBody, data)
     _check_supported(body)
     return body
 

@@ -93,3 +93,72 @@ def test_a_restarted_harness_gets_its_committed_call_from_the_journal(capture_wo
     assert row.reward == ref_row.reward
     entries = set(store.list("token_entries", prefix="grec-g0/"))
     assert {"grec-g0/c0/a0", "grec-g0/c1/a1", "grec-g0/c2/a1"} <= entries
+
+
+def _harness_outside(url: str, group: str, crash_after_first: bool = False):
+    """A harness the job did not start: it opens its rollout, makes two calls with the
+    official client, and finishes it with its result."""
+    import openai
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    opened = httpx.post(f"{url}/rollouts", headers=auth, timeout=30,
+                        json={"group_id": group, "task": TASK, "seed": 17}).json()  # fmt: skip
+    client = openai.OpenAI(base_url=opened["base_url"], api_key=TOKEN, max_retries=0)
+    messages = [dict(m) for m in TASK["messages"]]
+    raw = client.chat.completions.with_raw_response.create(model="policy", messages=messages)
+    first = raw.parse().choices[0].message.content
+    if crash_after_first:
+        return opened, raw.headers["x-rollout-recovery-source"], None
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "again"}]
+    second = client.chat.completions.create(model="policy", messages=messages, stream=True)
+    text = first + "".join(c.choices[0].delta.content or "" for c in second if c.choices)
+    done = httpx.post(f"{url}/rollouts/{opened['rollout_id']}/finish", headers=auth, timeout=30,
+                      json={"result": {"text": text}})  # fmt: skip
+    return opened, raw.headers["x-rollout-recovery-source"], done.json()
+
+
+def test_a_standalone_gateway_serves_outside_harnesses_across_a_restore(capture_worker, tiny_cfg):
+    """Rollouts opened, served, finished and leased over HTTP; a harness whose job died after
+    its first call opens its rollout again after the restore and gets that call from the
+    journal (same answer, not decoded), then finishes with the uninterrupted run's row."""
+    worker, store = capture_worker
+    cfg = _cfg(tiny_cfg)
+    cfg.environment.reward = "rollout_recovery.episodes.tally:reward"
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    reference = RolloutEnvironment(cfg, WorkerPool([worker]), store)
+    url = reference.start_gateway(TOKEN, standalone_weight_version=0)
+    opened, source, done = _harness_outside(url, "xref")
+    assert opened["restored"] is False and source == "decoded" and done["tokens"] > 0
+    lease = httpx.post(f"{url}/replay/lease", headers=auth, json={"max_rows": 64}, timeout=30)
+    [row] = [r for r in lease.json()["rows"] if r["key"] == done["replay_key"]]
+    assert row["reward"] == done["reward"] and sum(row["loss_mask"]) > 0
+    ack = httpx.post(f"{url}/replay/ack", headers=auth, json={"lease_id": lease.json()["lease_id"]})
+    assert ack.json()["acked"] >= 1
+    again = httpx.post(f"{url}/rollouts/{done['rollout_id']}/finish", headers=auth, json={})
+    assert again.status_code == 409
+    reference.close()
+
+    crashed = RolloutEnvironment(cfg, WorkerPool([worker]), store)
+    url = crashed.start_gateway(TOKEN, standalone_weight_version=0)
+    _harness_outside(url, "xrec", crash_after_first=True)
+    crashed.prepare("ckpt-x", lease_s=60)
+    records = crashed.commit("ckpt-x")
+    crashed.close()  # the job dies; the harness with it
+    [rec] = records.episodes
+    assert [s.kind for s in rec.journal] == ["chat"] and rec.continuation is None
+
+    fresh = RolloutEnvironment(cfg, WorkerPool([worker]), store)
+    fresh.begin_restore("rx")
+    assert fresh.end_restore("rx", records.episodes) == 1
+    url = fresh.start_gateway(TOKEN, standalone_weight_version=0)
+    opened, source, done2 = _harness_outside(url, "xrec")
+    counts = fresh.counters()
+    fresh.close()
+    assert opened["restored"] is True and opened["journaled_steps"] == 1
+    assert source == "journal" and counts["journal.chat_replayed"] == 1
+    assert counts["capture.calls.total"] == 1  # only the second call was decoded
+    assert (done2["reward"], done2["tokens"]) == (done["reward"], done["tokens"])
+    ref, rec_row = store.get("replay", [done["replay_key"]])[0], store.get(
+        "replay", [done2["replay_key"]])[0]  # fmt: skip
+    assert ref.column("token_ids").to_pylist() == rec_row.column("token_ids").to_pylist()
+    assert ref.column("logprobs").to_pylist() == rec_row.column("logprobs").to_pylist()

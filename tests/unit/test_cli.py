@@ -8,7 +8,7 @@ import pytest
 
 from rollout_recovery.cli import build_parser, main
 
-SUBCOMMANDS = ["make-tiny-model", "config", "demo", "train", "serve"]
+SUBCOMMANDS = ["make-tiny-model", "config", "demo", "train", "serve", "gateway"]
 
 
 def test_every_subcommand_is_listed_in_help():
@@ -183,3 +183,12 @@ def test_snapshots_at_an_unreachable_uri_is_the_one_line_storage_error(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("rollout-recovery: cannot read s3://bucket/run")
     assert "secret" not in err
+
+
+def test_gateway_refuses_a_location_holding_a_run_without_restore(tmp_path, capsys):
+    """Nothing is started and nothing deleted: the one line names the fix."""
+    (tmp_path / "data_plane" / "snapshot-0000000001-abcd").mkdir(parents=True)
+    assert main(["gateway", f"checkpointing.checkpoint_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`gateway --restore`" in err
+    assert [p.name for p in (tmp_path / "data_plane").iterdir()] == ["snapshot-0000000001-abcd"]

@@ -467,3 +467,69 @@ async def test_server_starts_inside_a_running_loop_and_off_the_main_thread():
     thread = threading.Thread(target=in_thread)
     await asyncio.to_thread(lambda: (thread.start(), thread.join(20)))
     assert result["status"] == 200
+
+
+class ControlBackend(FakeBackend):
+    """A standalone gateway's backend: rollouts opened, finished and leased over HTTP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened: list[dict] = []
+
+    async def open_rollout(self, body) -> dict:
+        self.opened.append(body.model_dump())
+        return {"rollout_id": f"{body.group_id}-g{body.generation_index}", "restored": False}
+
+    async def finish_rollout(self, rollout_id: str, result: Any) -> dict:
+        if rollout_id == "done":
+            raise RolloutFinished("rollout 'done' already finished")
+        return {"rollout_id": rollout_id, "reward": float(result["score"])}
+
+    async def lease(self, body) -> dict:
+        return {"lease_id": "L1", "rows": [], "max_rows": body.max_rows}
+
+    async def ack(self, lease_id: str) -> dict:
+        return {"acked": 2}
+
+
+def test_rollout_control_routes_of_a_standalone_gateway():
+    backend = ControlBackend()
+    server = GatewayServer()
+    base = server.start(create_app(backend, token=TOKEN))
+    try:
+        opened = post_raw(base, "/rollouts", json={"group_id": "q1", "generation_index": 2,
+                                                   "task": {"messages": MESSAGES}})  # fmt: skip
+        assert opened.status_code == 200 and opened.json()["rollout_id"] == "q1-g2"
+        assert backend.opened == [{"group_id": "q1", "generation_index": 2,
+                                   "task": {"messages": MESSAGES}, "seed": None}]  # fmt: skip
+        done = post_raw(base, "/rollouts/q1-g2/finish", json={"result": {"score": 0.5}})
+        assert done.json() == {"rollout_id": "q1-g2", "reward": 0.5}
+        again = post_raw(base, "/rollouts/done/finish", json={"result": 1})
+        assert again.status_code == 409 and again.headers[REASON] == "rollout_finished"
+        lease = post_raw(base, "/replay/lease", json={"max_rows": 4})
+        assert lease.json() == {"lease_id": "L1", "rows": [], "max_rows": 4}
+        assert post_raw(base, "/replay/ack", json={"lease_id": "L1"}).json() == {"acked": 2}
+        for path, body, code in (
+            ("/rollouts", {"group_id": "../x"}, "invalid_field"),
+            ("/rollouts", {"group_id": "q", "extra": 1}, "unsupported_field"),
+            ("/rollouts", {"group_id": "q", "generation_index": -1}, "invalid_field"),
+            ("/replay/lease", {"max_rows": 0}, "invalid_field"),
+            ("/replay/ack", {}, "invalid_field"),
+            ("/rollouts/q1-g2/finish", {"result": 1, "reward": 2}, "unsupported_field"),
+        ):
+            resp = post_raw(base, path, json=body)
+            assert resp.status_code == 400 and resp.headers[REASON] == code, (path, resp.text)
+        assert len(backend.opened) == 1  # nothing refused reached the backend
+        unauthorized = httpx.post(f"{base}/rollouts", json={"group_id": "q"}, timeout=10)
+        assert unauthorized.status_code == 401
+    finally:
+        server.stop()
+
+
+def test_a_training_jobs_gateway_refuses_rollout_control(url):
+    """Rollouts of a training job are opened by its own episodes: an outside open, finish
+    or lease is refused with a reason, not half-served."""
+    for path, body in (("/rollouts", {"group_id": "q"}), ("/rollouts/r1/finish", {}),
+                       ("/replay/lease", {"max_rows": 1})):  # fmt: skip
+        resp = post_raw(url, path, json=body)
+        assert resp.status_code == 409 and resp.headers[REASON] == "rollouts_managed"
