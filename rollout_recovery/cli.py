@@ -243,9 +243,9 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
             "checkpointing.checkpoint_dir (nothing was deleted)"
         )
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     rr = RolloutRecovery(cfg, args.ray_address).start(standalone_gateway=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after Ray's start, which installs its own
+        signal.signal(sig, lambda *_: stop.set())
     try:
         if args.restore:
             ledger = rr.restore()
@@ -253,10 +253,15 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                 print(f"restored {ledger['snapshot']}: {len(ledger['episodes'])} open rollouts "
                       "continue when their harnesses open them again", flush=True)  # fmt: skip
         threading.Thread(target=_announce_gateway, args=(rr, stop), daemon=True).start()
-        rr.serve_rollouts(stop, os.environ.get(GATEWAY_TOKEN_ENV))
+        last = rr.serve_rollouts(stop, os.environ.get(GATEWAY_TOKEN_ENV))
     finally:
         rr.close()
-    print("gateway stopped; open rollouts were checkpointed", flush=True)
+    if last is None:
+        print("gateway stopped; its last checkpoint failed (see checkpoints.jsonl): open "
+              "rollouts continue from the one before", flush=True)  # fmt: skip
+    else:
+        print(f"gateway stopped; open rollouts were checkpointed in {last['checkpoint']}",
+              flush=True)  # fmt: skip
     return 0
 
 

@@ -414,5 +414,10 @@ class EpisodeRunner:
         return {k: v for k, v in every.items() if v}
 
     async def aclose(self) -> None:
+        """Close the HTTP clients; rollouts opened from outside and still open end here (a
+        checkpoint holds what they did)."""
+        for task in self._open.values():
+            task.cancel()
+        await asyncio.gather(*self._open.values(), return_exceptions=True)
         for client in self.clients:
             await client.aclose()
