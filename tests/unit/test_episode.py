@@ -13,7 +13,6 @@ import pytest
 
 from rollout_recovery.config import load_config
 from rollout_recovery.environment.context import (
-    ChatReply,
     EpisodeContext,
     JournalDiverged,
     NotJsonError,
@@ -26,60 +25,39 @@ from rollout_recovery.environment.episode import (
     replay_row,
 )
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
-from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.environment.token_sink import JsonlTokenSink
 from rollout_recovery.episodes import tally
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import Continuation, EpisodeRecord
+from tests.unit.episode_helpers import ScriptedModel as ScriptedModelBase
+from tests.unit.episode_helpers import entry, new_state, restored, run_episode
 
 TASK = {"messages": [{"role": "user", "content": "go"}]}
 REPLIES = ["a1", "7b", "42"]
 
 
-def _entry(call: str, prompt: list[int], gen: list[int], attempt: int = 0) -> TokenEntry:
-    return TokenEntry.build(
-        rollout_id="r-g0",
-        model_call_id=call,
-        attempt=attempt,
-        prompt_token_ids=prompt,
-        generated_token_ids=gen,
-        generated_logprobs=[-0.5 - i for i in range(len(gen))],
-        finish_reason="stop",
-    )
+_entry = entry
 
 
-class ScriptedModel:
-    """The environment's model-call side with scripted replies; counts what it decoded."""
-
-    def __init__(self) -> None:
-        self.decoded: list[str] = []
-        self.adopted: list[str] = []
-
-    async def call(self, st: EpisodeState, messages: list[dict], request: dict):
-        turn = len(st.turns)
-        prompt = [*(st.turns[-1].cumulative_ids() if st.turns else [1, 2]), 3 + turn]
-        entry = _entry(st.next_call_id, prompt, [10 + turn, 2], st.attempt)
-        self.decoded.append(entry.model_call_id)
-        message = {"role": "assistant", "content": REPLIES[turn]}
-        return ChatReply(message, REPLIES[turn], "stop", [10 + turn, 2]), entry
-
-    def adopt(self, st, entry, messages, message) -> None:
-        self.adopted.append(entry.model_call_id)
+def ScriptedModel() -> ScriptedModelBase:
+    return ScriptedModelBase(REPLIES)
 
 
-def _run(st: EpisodeState, model: ScriptedModel, counts: Counter, fn=tally.episode, turns=3):
-    ctx = EpisodeContext(st, model, turns, None, counts)
-    return asyncio.run(fn(ctx, st.task))
+def _run(st: EpisodeState, model, counts: Counter, fn=tally.episode, turns=3):
+    return run_episode(fn, st, model, turns, None, counts)
 
 
 def _state() -> EpisodeState:
-    return EpisodeState("r-g0", "r", 0, 7, TASK)
+    return new_state(TASK)
 
 
 def _finished() -> tuple[EpisodeState, dict]:
-    st, counts = _state(), Counter()
-    result = _run(st, ScriptedModel(), counts)
+    st = _state()
+    result = _run(st, ScriptedModel(), Counter())
     return st, result
+
+
+_restored = restored
 
 
 def test_an_episode_journals_each_call_and_effect_in_order():
@@ -91,16 +69,6 @@ def test_an_episode_journals_each_call_and_effect_in_order():
     ]  # fmt: skip
     assert result == {"text": "a17b42", "tally": 2 + 2, "effects": [0, 1]}
     assert model.decoded == ["c0", "c1", "c2"] and counts["effects.executed"] == 2
-
-
-def _restored(st: EpisodeState, steps: int) -> EpisodeState:
-    """`st` as a checkpoint after `steps` journal steps holds it, restored as attempt + 1."""
-    turns = sum(1 for s in st.journal[:steps] if s.kind == "chat")
-    names = ("rollout_id", "group_id", "generation_index", "seed", "task")
-    part = EpisodeState(**{k: getattr(st, k) for k in names})
-    part.journal, part.turns = st.journal[:steps], st.turns[:turns]
-    record = EpisodeRecord.model_validate_json(part.to_record(None).model_dump_json())
-    return EpisodeState.from_record(record, {e.entry_id: e for e in st.turns}.get)
 
 
 @pytest.mark.parametrize("steps", [1, 2, 3, 4])

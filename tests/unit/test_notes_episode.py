@@ -1,12 +1,11 @@
-"""The notes example episode, against a fake context: exactly-once effects under replay."""
+"""The notes example episode on the real episode context (a scripted model stands in for
+the workers): exactly-once effects on the store across a crash and a replay."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import json
 import os
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,122 +13,69 @@ import pytest
 
 from rollout_recovery import faults
 from rollout_recovery.episodes import notes
+from tests.unit.episode_helpers import ScriptedModel, new_state, restored, run_episode
 
 REPLIES = ["12 apples 7", "no digits here at all", "40 40 x", "9", "final 3"]
+TURNS = len(REPLIES)
+EFFECT_IDS = [f"r-g0/start-0/step-{i}" for i in (1, 3, 5, 7)]  # after each call but the last
 
 
-@dataclass
-class Reply:
-    message: dict
-    content: str
-    finish_reason: str | None = "stop"
-    token_ids: list[int] = field(default_factory=list)
+def run(st, root: Path, counts: Counter | None = None, model=None) -> dict:
+    return run_episode(notes.episode, st, model or ScriptedModel(REPLIES), TURNS, root, counts)
 
 
-class FakeContext:
-    """Scripted replies and an in-memory journal. Entries of `journal` (a restored prefix)
-    are answered from it in order; after it, chat calls use the script and effects run again
-    under the same ids, as on replay after a crash."""
-
-    def __init__(self, scratch: Path, replies: list[str], journal: list | None = None) -> None:
-        self.rollout_id, self.seed, self.max_turns = "g0-r1", 0, len(replies)
-        self.scratch_dir, self.replies = scratch, replies
-        self.effect_id: str | None = None
-        self.journal, self.record, self.ran = list(journal or []), [], []
-        self.n_chats = self.n_effects = 0
-
-    def _replayed(self, kind: str, key: Any) -> tuple[bool, Any]:
-        if len(self.record) < len(self.journal):
-            entry = self.journal[len(self.record)]
-            assert entry[:2] == (kind, key), f"replay diverged: {entry[:2]} != {(kind, key)}"
-            return True, entry[2]
-        return False, None
-
-    async def chat(self, messages: list[dict], **_: Any) -> Reply:
-        i, self.n_chats = self.n_chats, self.n_chats + 1
-        hit, text = self._replayed("chat", i)
-        text = text if hit else self.replies[i]
-        self.record.append(("chat", i, text))
-        return Reply({"role": "assistant", "content": text}, text)
-
-    async def effect(self, name: str, fn: Any, *args: Any) -> Any:
-        eid = f"{self.rollout_id}/e{self.n_effects}"
-        self.n_effects += 1
-        key = (name, json.dumps(args))
-        hit, value = self._replayed("effect", key)
-        if not hit:
-            self.effect_id = eid
-            try:
-                value = fn(*args)
-                if inspect.isawaitable(value):
-                    value = await value
-            finally:
-                self.effect_id = None
-            value = json.loads(json.dumps(value))
-            self.ran.append(eid)
-        self.record.append(("effect", key, value))
-        return value
-
-
-def run(ctx: FakeContext, task: dict) -> dict:
-    return asyncio.run(notes.episode(ctx, task))
-
-
-def crash_and_replay(tmp_path: Path) -> tuple[FakeContext, dict, dict]:
-    """A reference run, then a run whose crash came after effect e1 ran but before a
-    checkpoint recorded it: the restored journal ends at the chat before e1."""
+def crash_and_replay(tmp_path: Path) -> tuple[ScriptedModel, Counter, dict, dict]:
+    """A reference run, then a run whose crash came after the second effect ran but before a
+    checkpoint recorded it: the restored journal ends at the call before that effect."""
     task = notes.tasks(1, 0)[0]
-    ref_dir, crash_dir = tmp_path / "ref", tmp_path / "crash"
-    ref_dir.mkdir(), crash_dir.mkdir()
-    reference = run(FakeContext(ref_dir, REPLIES), task)
-    first = FakeContext(crash_dir, REPLIES)
-    run(first, task)  # ran every effect, then "crashed"
-    checkpoint = first.record[:3]  # chat0, effect e0, chat1 (e1 ran after the checkpoint)
-    replay = FakeContext(crash_dir, REPLIES, journal=checkpoint)
-    result = run(replay, task)
-    assert result == reference
-    return replay, notes.store_summary(ref_dir), notes.store_summary(crash_dir)
+    reference = run(new_state(task), tmp_path / "ref")
+    first = new_state(task)
+    run(first, tmp_path / "crash")  # ran every effect, then "crashed"
+    back, model, counts = restored(first, 3), ScriptedModel(REPLIES), Counter()
+    assert run(back, tmp_path / "crash", counts, model) == reference
+    store = tmp_path / "crash" / "r-g0" / "start-0"
+    ref = notes.store_summary(tmp_path / "ref" / "r-g0" / "start-0")
+    return model, counts, ref, notes.store_summary(store)
 
 
 def test_full_episode(tmp_path: Path) -> None:
     task = notes.tasks(1, 3)[0]
-    ctx = FakeContext(tmp_path, REPLIES)
-    result = run(ctx, task)
+    result = run(new_state(task), tmp_path)
     assert result["notes"] == ["127", "nodigitshereatall", "4040", "9"]
     assert result["register"] == 10 + 0 + 8 + 9
-    assert result["effects"] == [f"g0-r1/e{i}" for i in range(4)]
+    assert result["effects"] == EFFECT_IDS
     assert result["text"] == "\n".join(REPLIES)
     assert json.loads(json.dumps(result)) == result
     assert 0.0 <= notes.reward(task, result) <= 1.0
-    assert notes.applied_exactly_once(tmp_path) == []
-    summary = notes.store_summary(tmp_path)
-    assert summary == {
-        "notes": result["notes"],
-        "register": 27,
-        "dedupes": 0,
-        "ops": result["effects"],
-    }
+    store = tmp_path / "r-g0" / "start-0"
+    assert notes.applied_exactly_once(store) == []
+    summary = notes.store_summary(store)
+    assert summary == {"notes": result["notes"], "register": 27, "dedupes": 0,
+                       "ops": result["effects"]}  # fmt: skip
 
 
 def test_replay_after_crash_absorbs_reexecuted_effect(tmp_path: Path) -> None:
-    replay, ref, recovered = crash_and_replay(tmp_path)
-    assert replay.ran == ["g0-r1/e1", "g0-r1/e2", "g0-r1/e3"]  # e0 came from the journal
+    model, counts, ref, recovered = crash_and_replay(tmp_path)
+    # The first effect and two calls came from the journal; the other three effects ran
+    # again under their ids and the store absorbed them.
+    assert model.adopted == ["c0", "c1"] and model.decoded == ["c2", "c3", "c4"]
+    assert counts["effects.replayed"] == 1 and counts["effects.executed"] == 3
     assert recovered["dedupes"] == 3 and ref["dedupes"] == 0
     assert {k: v for k, v in recovered.items() if k != "dedupes"} == {
         k: v for k, v in ref.items() if k != "dedupes"
     }
-    assert notes.applied_exactly_once(tmp_path / "crash") == []
+    assert notes.applied_exactly_once(tmp_path / "crash" / "r-g0" / "start-0") == []
 
 
 def test_dedupe_disabled_fault_is_caught(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(faults.ENV, "effect_dedupe_disabled")
-    task = notes.tasks(1, 0)[0]
-    first = FakeContext(tmp_path, REPLIES)
-    run(first, task)
-    run(FakeContext(tmp_path, REPLIES, journal=first.record[:3]), task)
-    violations = notes.applied_exactly_once(tmp_path)
+    first = new_state(notes.tasks(1, 0)[0])
+    run(first, tmp_path)
+    run(restored(first, 3), tmp_path)
+    store = tmp_path / "r-g0" / "start-0"
+    violations = notes.applied_exactly_once(store)
     assert any("applied more than once" in v for v in violations), violations
-    assert notes.store_summary(tmp_path)["dedupes"] == 0
+    assert notes.store_summary(store)["dedupes"] == 0
 
 
 def test_failed_write_leaves_old_state_and_no_temp_file(tmp_path: Path, monkeypatch) -> None:
@@ -184,9 +130,9 @@ def test_reward_varies_and_stays_in_range(tmp_path: Path) -> None:
     texts.append([numbers, numbers])
     rewards = []
     for i, replies in enumerate(texts):
-        d = tmp_path / str(i)
-        d.mkdir()
-        rewards.append(notes.reward(task, run(FakeContext(d, replies), task)))
+        result = run_episode(notes.episode, new_state(task), ScriptedModel(replies), 2,
+                             tmp_path / str(i))  # fmt: skip
+        rewards.append(notes.reward(task, result))
     assert all(0.0 <= r <= 1.0 for r in rewards)
     assert len(set(rewards)) == len(rewards), rewards
     assert rewards[-1] == pytest.approx(1.0)
