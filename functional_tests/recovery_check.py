@@ -497,7 +497,8 @@ def main() -> int:
     ap.add_argument("--storage", choices=["local", "s3"], default="local",
                     help="where checkpoint_dir lives (s3: a local moto server)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=None, help="per call (default: by level)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="per call (default: by level and environment)")  # fmt: skip
     ap.add_argument("--interval", type=float, default=0.4)
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--seed", type=int, default=None, help="kill delays (default: random)")
@@ -516,8 +517,8 @@ def main() -> int:
     ap.add_argument("--gpu", action="store_true", help="run the engines on CUDA")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
-    if args.max_tokens is None:
-        args.max_tokens = 384 if args.level == "prefix" else 96
+    if args.max_tokens is None:  # three turns of a multi-turn environment fit 1024 tokens
+        args.max_tokens = 96 if args.level == "turn" else 384 if args.env == "tally" else 192
     if args.seed is None:
         args.seed = secrets.randbelow(2**31)
     args.rng = random.Random(args.seed)
