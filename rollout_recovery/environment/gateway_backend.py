@@ -45,9 +45,12 @@ class EpisodeGateway:
     def rollouts(self) -> list[str]:
         return sorted(self.runner.contexts)
 
+    async def _on_loop(self, coro) -> Any:
+        """Run `coro` on the environment's loop (the server has its own) and await it here."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
     async def chat(self, rollout_id: str, body: dict) -> GatewayReply:
-        future = asyncio.run_coroutine_threadsafe(self._chat(rollout_id, body), self.loop)
-        return await asyncio.wrap_future(future)
+        return await self._on_loop(self._chat(rollout_id, body))
 
     async def _chat(self, rollout_id: str, body: dict) -> GatewayReply:
         ctx = self.runner.contexts.get(rollout_id)
@@ -79,7 +82,7 @@ class EpisodeGateway:
             raise GatewayError(f"the worker refused the call: {err.text[:500]}",
                                reason="worker_rejected", status=400) from None  # fmt: skip
         except JournalDiverged as err:
-            if rollout_id in self.runner._results:  # opened from outside: the harness reopens
+            if self.runner.opened_outside(rollout_id):  # the harness opens it again
                 await self.runner.abandon_rollout(rollout_id, err.reason)
                 again = "; open the rollout again to start it over"
             else:
@@ -119,9 +122,6 @@ class StandaloneGateway(EpisodeGateway):
     def __init__(self, runner, loop: asyncio.AbstractEventLoop, weight_version: int) -> None:
         super().__init__(runner, loop)
         self.weight_version = weight_version
-
-    async def _on_loop(self, coro) -> Any:
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
 
     async def open_rollout(self, body) -> dict:
         seed = body.seed

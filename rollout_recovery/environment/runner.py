@@ -166,6 +166,10 @@ class EpisodeRunner:
         )
         return st, restored is not None
 
+    def opened_outside(self, rid: str) -> bool:
+        """Whether `rid` is open from outside (a standalone gateway), not run by a step."""
+        return rid in self._results
+
     async def _harness_result(self, ctx: EpisodeContext, task: dict) -> Any:
         return await asyncio.shield(self._results[ctx.rollout_id])
 
