@@ -31,10 +31,13 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 
 
 SMALL = ["grpo.prompts_per_step=1"]  # one GRPO group of 4 per step (a config override)
-NOTES = ["--env", "notes", "--steps", "2", "--cuts", "2"]
-PREFIX = [*NOTES, "--level", "prefix", "--max-tokens", "128", "--kills", "2"]
-TURN = [*NOTES, "--level", "turn", "--max-tokens", "64"]
-GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "2", "--max-tokens", "128",
+NOTES = ["--env", "notes", "--cuts", "2"]
+PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2"]
+# Three steps and 96 tokens: a kill may land in step 1 or 2, so the check does not depend on
+# one short step lasting past a snapshot with two partly done episodes (the suite runs three
+# checks at once, which shifts every step's timing).
+TURN = [*NOTES, "--level", "turn", "--max-tokens", "96", "--steps", "3"]
+GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
            "--cuts", "2"]  # fmt: skip
 RUNS = {
     # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
