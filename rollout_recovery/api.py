@@ -39,6 +39,7 @@ from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunSt
 from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, restore_snapshot
+from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
@@ -80,6 +81,8 @@ class RolloutRecovery:
         self.evidence: EvidenceLog | None = None
         self.gateway_url: str | None = None  # the rollout gateway, when gateway.enabled
         self.gateway_token: str | None = None
+        self.supervisor: WorkerSupervisor | None = None  # failover.enabled
+        self._supervision = None
 
     def start(self, standalone_gateway: bool = False) -> RolloutRecovery:
         """Start the store, workers and environment (and, with `gateway.enabled`, the gateway
@@ -101,10 +104,24 @@ class RolloutRecovery:
             self.gateway_url = self.env.start_gateway(self.gateway_token)
             print(f"rollout gateway at {self.gateway_url}/rollouts/<rollout_id>/v1", flush=True)
         self.evidence = EvidenceLog(self.storage, self.workers)
-        self.evidence.write_workers(self.metrics.serve(self.counters, self.cfg.vllm_cfg.host))
+        metrics_url = self.metrics.serve(self.counters, self.cfg.vllm_cfg.host)
+        self.evidence.write_workers(metrics_url)
+        if self.cfg.failover.enabled:
+            self.supervisor = WorkerSupervisor(
+                self.cfg.failover, self.workers, self.env, self.metrics,
+                self.coordinator.between_attempts,
+                on_replaced=lambda: self.evidence.write_workers(metrics_url),
+            )  # fmt: skip
+            self._supervision = asyncio.run_coroutine_threadsafe(
+                self.supervisor.run(), self._loop.loop
+            )
         return self
 
     def close(self) -> None:
+        if self._supervision is not None:
+            self._supervision.cancel()
+            with contextlib.suppress(Exception):
+                self._loop.run(self.supervisor.stop(), timeout=10)
         self.metrics.stop()
         if self.env is not None:
             with contextlib.suppress(Exception):

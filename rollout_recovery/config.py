@@ -259,6 +259,16 @@ class TokenCaptureConfig(_Block):
     """Call attempts each worker keeps a record of. A record says what the engine did for the
     attempt (resume verdict, prefix, decoded tokens); older ones are dropped and counted."""
 
+    journal_interval_tokens: Int | None = Field(None, ge=1)
+    """Journal every in-flight call continuously: each K new tokens become the next chained
+    chunk row in the staging store, without a fence (docs/failover.md). A worker that dies then
+    loses at most about K tokens per call, and its calls continue on a live worker from the
+    journal. None: no token-count trigger."""
+
+    journal_interval_s: Float | None = Field(None, gt=0.0)
+    """Also journal a call whose newest durable row is older than this many seconds (a slow call
+    with fewer than `journal_interval_tokens` new tokens). None: no time trigger."""
+
     request_token_ids: bool = True
     """Ask the workers for prompt and generated token ids (`return_token_ids`). The environment
     builds its token entries from them, and the returned prompt ids prove a supplied prefix was
@@ -280,6 +290,13 @@ class TokenCaptureConfig(_Block):
 
     @model_validator(mode="after")
     def _supply_needs_proof(self) -> TokenCaptureConfig:
+        journal = self.journal_interval_tokens is not None or self.journal_interval_s is not None
+        if journal and not self.enabled:
+            raise ConfigError(
+                "token_capture.journal_interval_tokens/journal_interval_s need "
+                "token_capture.enabled=true (the journal stages captured tokens); enable "
+                "capture or unset the journal intervals"
+            )
         if self.supply_prefix_token_ids and not self.request_token_ids:
             raise ConfigError(
                 "token_capture.supply_prefix_token_ids=true needs token_capture."
@@ -449,6 +466,32 @@ class GatewayConfig(_Block):
     """Port to bind; 0 picks a free one (the run prints and records the URL)."""
 
 
+class FailoverConfig(_Block):
+    """What happens when one worker dies while the run goes on (docs/failover.md): the
+    controller notices, starts a replacement, and every call the dead worker held continues on
+    a live worker from its journal (`token_capture.journal_interval_tokens`)."""
+
+    enabled: bool = True
+    """Watch the workers' health, replace a dead worker, and migrate its calls. Off, a dead
+    worker fails the step as before and recovery needs a restart."""
+
+    health_interval_s: Float = Field(1.0, gt=0.0)
+    """Seconds between the controller's health checks of each worker. An actor that died or an
+    engine that stopped is noticed at the next check (and at once by a call that fails)."""
+
+    unhealthy_after_s: Float = Field(10.0, gt=0.0)
+    """A worker whose health check fails or does not answer for this long is declared dead:
+    it is killed, replaced, and its calls migrate."""
+
+    max_migrations: Int = Field(2, ge=0)
+    """Times one model call may move to another worker. One more worker death on the same call
+    fails its episode with the reason `max_migrations`."""
+
+    replacement_wait_s: Float = Field(600.0, gt=0.0)
+    """How long a migrating call waits for a live worker when none is left (a one-worker run
+    waits for the replacement); past it the episode fails with `no_live_worker`."""
+
+
 class _ComponentConfig(_Block):
     """A component's view of the job: the job's blocks it reads, under the job's names. Every
     block is required, so a view is always taken whole from a job, never filled in with
@@ -494,6 +537,9 @@ class EnvironmentActorConfig(_ComponentConfig):
 
     gateway: GatewayConfig
     """Whether the environment serves the rollout gateway, and where."""
+
+    failover: FailoverConfig
+    """How often a call may move off a dead worker, and how long it waits for a live one."""
 
 
 class CheckpointCoordinatorConfig(_ComponentConfig):
@@ -547,6 +593,9 @@ class RolloutRecoveryConfig(_Block):
 
     gateway: GatewayConfig = GatewayConfig()
     """The OpenAI-compatible rollout gateway for harnesses in other processes."""
+
+    failover: FailoverConfig = FailoverConfig()
+    """Worker failure detection, replacement and call migration."""
 
     grpo: GrpoConfig = GrpoConfig()
     """The shipped GRPO driver's training loop."""

@@ -10,7 +10,10 @@ through their Ray runtime environment. Nothing sets it outside tests.
 - `redecode_committed_turns`: a restore re-admits every episode from its first prompt, so
   its committed turns are decoded again (no refusal counted either);
 - `effect_dedupe_disabled`: the notes episode's store applies an operation again even when its
-  effect id is already logged, so a re-executed effect is applied twice.
+  effect id is already logged, so a re-executed effect is applied twice;
+- `journal_rows_corrupted`: each journal row is staged with its first token changed after its
+  digest was sealed (a store that flipped a value): a call moved off a dead worker must refuse
+  the chain and be decoded from scratch.
 
 `ROLLOUT_RECOVERY_FAULTFS=<state dir>` puts every local path the run resolves (snapshots,
 trainer checkpoints, logs) behind the fault-injecting filesystem (faultfs.py) sharing that
@@ -26,7 +29,12 @@ import pyarrow.fs as pafs
 
 ENV = "ROLLOUT_RECOVERY_FAULTS"
 FAULTFS_ENV = "ROLLOUT_RECOVERY_FAULTFS"
-FAULTS = ("resume_disabled", "redecode_committed_turns", "effect_dedupe_disabled")
+FAULTS = (
+    "resume_disabled",
+    "redecode_committed_turns",
+    "effect_dedupe_disabled",
+    "journal_rows_corrupted",
+)
 
 
 def armed() -> set[str]:

@@ -85,6 +85,8 @@ class CheckpointCoordinator:
         owner: Owner | None = None,
     ) -> None:
         self.cfg, self.state, self.store, self.workers = cfg, state, store, workers
+        # Held through each attempt: a replacement worker joins only between attempts.
+        self.between_attempts = asyncio.Lock()
         self.env, self.storage, self.metrics = env, storage, metrics
         self.owner = owner  # this controller's claim on the snapshot root (owner epoch)
         self.snapshot_root = storage.child_uri(DATA_PLANE)
@@ -156,6 +158,10 @@ class CheckpointCoordinator:
 
     async def attempt(self, reason: str) -> dict:
         """One checkpoint attempt; returns its metrics (also appended to the checkpoint log)."""
+        async with self.between_attempts:
+            return await self._attempt(reason)
+
+    async def _attempt(self, reason: str) -> dict:
         t0 = time.monotonic()
         epoch = next(self.epochs)
         timeout = self.cfg.rollout_checkpointing.attempt_timeout_s

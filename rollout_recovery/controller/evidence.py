@@ -22,8 +22,8 @@ class EvidenceLog:
     def __init__(self, storage: RunStorage, workers: WorkerPool) -> None:
         self.storage, self.workers = storage, workers
         self.session = f"session-{time.time_ns()}"  # names this process's call-attempt log
-        self._cursors = [0] * len(workers)  # per worker: its call-attempt log read so far
-        self._dropped = [0] * len(workers)
+        self._cursors: dict[str, int] = {}  # per worker actor: its call-attempt log read so far
+        self._dropped: dict[str, int] = {}
 
     def write_workers(self, metrics_url: str | None) -> None:
         """Where this session's workers serve (URL, pids) and the controller's metrics, so an
@@ -41,12 +41,12 @@ class EvidenceLog:
         with the next step (the cursors do not move)."""
         pages = self.workers.call_attempts(self._cursors)
         lines = []
-        for i, page in enumerate(pages):
+        for i, (name, page) in sorted(pages.items()):
             lines += [json.dumps({"step": step, "worker": i} | rec) for rec in page["attempts"]]
-            if page["dropped"] > self._dropped[i]:
+            if page["dropped"] > self._dropped.get(name, 0):
                 log.warning("worker %d dropped %d call-attempt records (token_capture."
                             "max_attempt_records)", i, page["dropped"])  # fmt: skip
-                self._dropped[i] = page["dropped"]
+                self._dropped[name] = page["dropped"]
         if lines:
             try:
                 rel = f"{CALL_ATTEMPTS_DIR}/{self.session}.jsonl"
@@ -54,5 +54,5 @@ class EvidenceLog:
             except OSError as err:
                 log.warning("cannot write %s: %s", CALL_ATTEMPTS_DIR, one_line(err))
                 return 0
-        self._cursors = [page["next"] for page in pages]
+        self._cursors |= {name: page["next"] for name, page in pages.values()}
         return len(lines)

@@ -13,7 +13,7 @@ import ray
 
 from rollout_recovery.config import EnvironmentActorConfig
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
-from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
 from rollout_recovery.protocol import CheckpointRecords, EpisodeOutcome, EpisodeRecord
 from rollout_recovery.runtime import actor_class
 
@@ -60,6 +60,12 @@ class EnvironmentClient:
 
     def end_restore(self, restore_id: str, records: list[EpisodeRecord]) -> int:
         return ray.get(self.actor.end_restore.remote(restore_id, records))
+
+    async def worker_lost(self, index: int, cause: str) -> None:
+        await self.actor.worker_lost.remote(index, cause)
+
+    async def worker_replaced(self, index: int, handle: WorkerHandle) -> None:
+        await self.actor.worker_replaced.remote(index, handle)
 
     def counters(self) -> dict[str, int]:
         return ray.get(self.actor.counters.remote())

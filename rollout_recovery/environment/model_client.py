@@ -79,6 +79,7 @@ class ModelCallClient:
         request_token_ids: bool = True,
         client: httpx.AsyncClient | None = None,
         turn_end_token_id: int | None = None,
+        finish: dict[tuple[str, str], str | None] | None = None,
     ) -> None:
         self.base_url, self.model = base_url.rstrip("/"), model
         self.sink, self.lineage = sink, lineage
@@ -86,7 +87,9 @@ class ModelCallClient:
         self.turn_end_token_id = turn_end_token_id
         self.client = client or httpx.AsyncClient(timeout=600)
         self.diagnostics = CaptureDiagnostics()
-        self._finish: dict[tuple[str, str], str | None] = {}  # parent finish reasons
+        # Parent finish reasons, by (rollout, call); shared by the clients of one environment,
+        # so a call moved to another worker still gets its parent's exact prefix.
+        self._finish: dict[tuple[str, str], str | None] = {} if finish is None else finish
 
     async def call(
         self,

@@ -17,7 +17,7 @@ from rollout_recovery.environment.episode import EpisodeState, RecordError
 from rollout_recovery.environment.gateway_backend import EpisodeGateway, StandaloneGateway
 from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.gateway import GatewayServer, create_app
-from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
 from rollout_recovery.protocol import CheckpointRecords, EpisodeOutcome, EpisodeRecord
 from rollout_recovery.runtime import LoopThread
 
@@ -92,6 +92,14 @@ class RolloutEnvironment:
                 self.refused[f"restore_refused.{err.reason}"] += 1
                 episodes.append(EpisodeState.restart(rec))
         return self._loop.run(self.runner.load(restore_id, episodes))
+
+    def worker_lost(self, index: int, cause: str) -> None:
+        """The controller found worker `index` dead: new calls avoid it."""
+        self._loop.call(self.runner.worker_lost, index, cause)
+
+    def worker_replaced(self, index: int, handle: WorkerHandle) -> None:
+        """A replacement on the current weights serves slot `index` from now on."""
+        self._loop.run(self.runner.worker_replaced(index, handle))
 
     def counters(self) -> dict[str, int]:
         return self._loop.call(self.runner.diagnostics) | dict(self.refused)

@@ -21,11 +21,15 @@ durable before it is reported. Checkpoint side:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from rollout_recovery.config import EnvironmentActorConfig
 from rollout_recovery.crashpoints import crash_point
@@ -37,11 +41,12 @@ from rollout_recovery.environment.context import (
 )
 from rollout_recovery.environment.episode import EpisodeState, call_seed, replay_row
 from rollout_recovery.environment.lineage import LineageStore
-from rollout_recovery.environment.model_client import ModelCallClient
+from rollout_recovery.environment.migration import journal_continuation
+from rollout_recovery.environment.model_client import ModelCallClient, ModelCallFailed
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.environment.token_sink import StoreTokenSink
-from rollout_recovery.generation.pool import WorkerPool
+from rollout_recovery.generation.pool import WORKER_GONE, WorkerHandle, WorkerPool
 from rollout_recovery.imports import load_callable
 from rollout_recovery.protocol import (
     XARG_SEED,
@@ -59,6 +64,14 @@ from rollout_recovery.protocol import (
 
 class EpisodeFailed(RuntimeError):
     """The user's episode function raised (not a divergence): the step fails, naming it."""
+
+
+class WorkerLost(Exception):
+    """A call's worker died under it (`cause`: actor_dead, engine_dead, ...): the call moves."""
+
+    def __init__(self, worker: int, cause: str, call: CallIdentity) -> None:
+        super().__init__(f"worker {worker} lost ({cause}) during {call.key_prefix()}")
+        self.worker, self.cause, self.call = worker, cause, call
 
 
 class RolloutRefused(RuntimeError):
@@ -93,19 +106,8 @@ class EpisodeRunner:
         self.scratch_root = Path(root) if root else None
         self.sink = StoreTokenSink(store) if store is not None else None
         self.lineage = LineageStore()
-        tc = cfg.token_capture
-        self.clients = [
-            ModelCallClient(
-                w.info.url,
-                w.info.served_model_name,
-                self.sink,
-                self.lineage,
-                supply_prefix=tc.supply_prefix_token_ids,
-                request_token_ids=tc.request_token_ids,
-                turn_end_token_id=w.info.eos_token_id,
-            )
-            for w in workers
-        ]
+        self._finish: dict[tuple[str, str], str | None] = {}  # shared by every client
+        self.clients = [self._client(w) for w in workers]
         self.participant = CheckpointParticipant()
         self.episodes: dict[str, EpisodeState] = {}  # admitted and unfinished
         self.pending: dict[str, EpisodeState] = {}  # restored, waiting for their step to run
@@ -114,6 +116,11 @@ class EpisodeRunner:
         self.inflight: dict[str, tuple[int, CallIdentity]] = {}  # rollout -> (worker, call)
         self.resuming: dict[str, Continuation] = {}  # in flight from a restored prefix
         self._cuts: dict[str, Continuation] = {}  # this checkpoint's continuations, by rollout
+        # Calls between a lost worker and their next attempt: (the lost attempt, the prefix it
+        # was resumed from); their rows are kept until the next attempt is in flight.
+        self.migrating: dict[str, tuple[CallIdentity, Continuation | None]] = {}
+        self.migrated: set[str] = set()  # rollouts whose continuation is a migration's
+        self._workers_changed = asyncio.Event()
         self._next_worker = itertools.count()
         self._results: dict[str, asyncio.Future] = {}  # outside rollouts: the harness's result
         self._open: dict[str, asyncio.Future] = {}  # outside rollouts: their episode
@@ -136,7 +143,7 @@ class EpisodeRunner:
                     jobs.append(self._existing(key))
                     continue
                 st = restored or EpisodeState(rid, gid, i, seed, dict(task))
-                st.worker = next(self._next_worker) % len(self.clients)
+                st.worker = self._assign_worker()
                 self.episodes[rid] = st  # recorded by a checkpoint from now on
                 jobs.append(self._episode(st, weight_version, restored is not None))
         return await asyncio.gather(*jobs)
@@ -158,7 +165,7 @@ class EpisodeRunner:
             raise RolloutRefused("task_differs", f"rollout {rid} was restored with another task; "
                                  "open it with the task it had")  # fmt: skip
         st = restored or EpisodeState(rid, group_id, index, seed, dict(task))
-        st.worker = next(self._next_worker) % len(self.clients)
+        st.worker = self._assign_worker()
         self.episodes[rid] = st
         self._results[rid] = asyncio.get_running_loop().create_future()
         self._open[rid] = asyncio.ensure_future(
@@ -274,31 +281,58 @@ class EpisodeRunner:
         self, st: EpisodeState, messages: list[dict], request: dict
     ) -> tuple[ChatReply, TokenEntry]:
         """The episode's next model call on its worker: parked while a checkpoint is being
-        taken, resumed from its cut prefix when a restore brought one."""
+        taken, resumed from its cut prefix when a restore brought one. A worker that dies
+        under the call does not fail it: the call moves to a live worker as the next attempt,
+        from its journal (docs/failover.md), at most `failover.max_migrations` times."""
+        moves = 0
+        while True:
+            try:
+                return await self._call_once(st, messages, request)
+            except WorkerLost as lost:
+                moves += 1
+                self.counts[f"migrations.{lost.cause}"] += 1
+                if moves > self.cfg.failover.max_migrations:
+                    self.migrating.pop(st.rollout_id, None)
+                    self.counts["migration_failed.max_migrations"] += 1
+                    raise EpisodeFailed(
+                        f"{lost.call.key_prefix()}: max_migrations - its worker died "
+                        f"{moves} times (failover.max_migrations="
+                        f"{self.cfg.failover.max_migrations})"
+                    ) from lost
+                await self._migrate(st, lost)
+
+    async def _call_once(
+        self, st: EpisodeState, messages: list[dict], request: dict
+    ) -> tuple[ChatReply, TokenEntry]:
         g = self.cfg.policy.generation
         turn, call = len(st.turns), CallIdentity(st.rollout_id, st.next_call_id, st.attempt)
         cont = st.continuation
         if cont is not None and cont.call_id != call.model_call_id:
             cont = None
+        kind = "migration" if st.rollout_id in self.migrated else "restore"
         fields = {k: v for k, v in request.items() if k not in OWN_FIELDS and v is not None}
         max_tokens = fields.pop("max_tokens", None) or g.max_new_tokens
         temperature = fields.pop("temperature", None)
         temperature = g.temperature if temperature is None else temperature
         xargs = {XARG_SEED: call_seed(st.seed, turn), XARG_TEMPERATURE: temperature}
         if cont is not None and cont.cut:
-            self.counts["restored_calls"] += 1
-            self.counts["restored_prefix_tokens"] += cont.tokens
+            if kind == "restore":
+                self.counts["restored_calls"] += 1
+                self.counts["restored_prefix_tokens"] += cont.tokens
             xargs |= cont.to_request_fields(max_tokens)
         # Parked while a checkpoint is being taken; until the call is in flight, a checkpoint
         # records the restored continuation, and from then until it ends the sweep keeps the
         # rows the worker resumes it from.
         await self.participant.admitted()
         st.continuation = None
+        self.migrated.discard(st.rollout_id)
+        self.migrating.pop(st.rollout_id, None)
         self.inflight[st.rollout_id] = (st.worker, call)
         if cont is not None and cont.cut:
             self.resuming[st.rollout_id] = cont
+        worker = st.worker
         try:
-            res = await self.clients[st.worker].call(
+            res = await self.clients[worker].call(
                 st.rollout_id,
                 call.model_call_id,
                 messages,
@@ -308,21 +342,130 @@ class EpisodeRunner:
                 vllm_xargs=xargs,
                 **fields,
             )
+        except (httpx.TransportError, ModelCallFailed) as err:
+            if not self.cfg.failover.enabled or (
+                isinstance(err, ModelCallFailed) and err.status < 500
+            ):
+                raise
+            # Keep this attempt's rows (and the prefix it resumed from) until the next
+            # attempt is in flight: no await before this line.
+            self.migrating[st.rollout_id] = (call, cont if cont is not None and cont.cut else None)
+            cause = await self._lost_cause(worker)
+            if cause is None:
+                self.migrating.pop(st.rollout_id, None)
+                raise
+            raise WorkerLost(worker, cause, call) from err
         finally:
             self.inflight.pop(st.rollout_id, None)
             self.resuming.pop(st.rollout_id, None)
         n = len(res.entry.generated_token_ids)
-        st.decoded += n - (cont.tokens if cont is not None and cont.cut else 0)
-        if cont is not None and cont.cut:
+        resumed = cont is not None and cont.cut
+        st.decoded += n - (cont.tokens if resumed else 0)
+        if resumed and kind == "migration":
+            self.counts["migration.tail_tokens"] += n - cont.tokens
+        elif resumed:
             self.counts["tail_tokens"] += n - cont.tokens
-        elif cont is not None:  # in flight at the checkpoint, not cut: decoded again
+        elif cont is not None and kind == "restore":  # in flight at the checkpoint, not cut
             self.counts["regenerated_tokens"] += n
         message = res.assistant_message
-        source = "resumed" if cont is not None and cont.cut else "decoded"
+        source = "resumed" if resumed else "decoded"
         reply = ChatReply(message, message.get("content") or "", res.entry.finish_reason,
                           list(res.entry.generated_token_ids), res.response, source,
                           call.model_call_id, st.attempt)  # fmt: skip
         return reply, res.entry
+
+    # ------------------------------------------------------------------ failover
+
+    def _client(self, w: WorkerHandle) -> ModelCallClient:
+        tc = self.cfg.token_capture
+        return ModelCallClient(
+            w.info.url,
+            w.info.served_model_name,
+            self.sink,
+            self.lineage,
+            supply_prefix=tc.supply_prefix_token_ids,
+            request_token_ids=tc.request_token_ids,
+            turn_end_token_id=w.info.eos_token_id,
+            finish=self._finish,
+        )
+
+    def _assign_worker(self) -> int:
+        """Round robin over the live workers (all of them when none is live: the call then
+        waits for a replacement when it fails)."""
+        live = [i for i, _ in self.workers.live()] or list(range(len(self.clients)))
+        return live[next(self._next_worker) % len(live)]
+
+    async def _lost_cause(self, index: int) -> str | None:
+        """Why worker `index` is gone, or None when it is alive and well (the failure was the
+        call's own). Asks the worker's actor: a dead actor or engine answers at once."""
+        if index in self.workers.lost:
+            return self.workers.lost[index]
+        try:
+            health = await asyncio.wait_for(self.workers[index].ahealth(),
+                                            self.cfg.failover.unhealthy_after_s)  # fmt: skip
+        except WORKER_GONE:
+            cause = "actor_dead"
+        except TimeoutError:
+            cause = "health_timeout"
+        else:
+            if health.healthy:
+                return None
+            cause = (health.reason or "unhealthy").split(":")[0]
+        self.workers.mark_lost(index, cause)
+        return self.workers.lost.get(index, cause)
+
+    async def _migrate(self, st: EpisodeState, lost: WorkerLost) -> None:
+        """Make the lost call's next attempt: resumed from the newest verified prefix of its
+        chain (or from scratch, counted), on a live worker."""
+        partition = self.cfg.token_capture.staging_partition
+        _, resumed_from = self.migrating.get(st.rollout_id, (lost.call, None))
+        cont, refused = await journal_continuation(self.store, partition, lost.call,
+                                                   resumed_from)  # fmt: skip
+        if refused is not None:
+            self.counts[f"migration.journal_refused.{refused}"] += 1
+        if cont is None:
+            cont = Continuation(call_id=lost.call.model_call_id, attempt=lost.call.attempt)
+            self.counts["migration.from_scratch"] += 1
+        else:
+            self.counts["migration.resumed"] += 1
+            self.counts["migration.journal_tokens"] += cont.tokens or 0
+        st.attempt = lost.call.attempt + 1
+        st.continuation = cont  # a checkpoint taken meanwhile records it (and keeps its rows)
+        self.migrated.add(st.rollout_id)
+        self.migrating.pop(st.rollout_id, None)
+        st.worker = await self._live_worker(st)
+
+    async def _live_worker(self, st: EpisodeState) -> int:
+        """A live worker for a moving call; waits for a replacement when none is live."""
+        deadline = time.monotonic() + self.cfg.failover.replacement_wait_s
+        while True:
+            live = [i for i, _ in self.workers.live()]
+            if live:
+                return live[next(self._next_worker) % len(live)]
+            self._workers_changed.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.counts["migration_failed.no_live_worker"] += 1
+                raise EpisodeFailed(
+                    f"{st.rollout_id}: no_live_worker - no worker came back within "
+                    f"failover.replacement_wait_s={self.cfg.failover.replacement_wait_s}"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._workers_changed.wait(), left)
+
+    def worker_lost(self, index: int, cause: str) -> None:
+        """The controller found worker `index` dead: no new call goes there."""
+        self.workers.mark_lost(index, cause)
+
+    async def worker_replaced(self, index: int, handle: WorkerHandle) -> None:
+        """A started replacement on the current weights takes slot `index`."""
+        old = self.clients[index]
+        self.workers.workers[index] = handle
+        self.workers.lost.pop(index, None)
+        self.clients[index] = self._client(handle)
+        self.counts["workers_replaced"] += 1
+        self._workers_changed.set()
+        await old.aclose()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -356,6 +499,9 @@ class EpisodeRunner:
             # A restored call not made again yet (the episode is replaying its journal, or a
             # harness is still starting): its continuation stands, and so do its chunk rows.
             return ep.continuation
+        if ep.rollout_id in self.migrating:  # its worker just died: not cut
+            lost, _ = self.migrating[ep.rollout_id]
+            return Continuation(call_id=lost.model_call_id, attempt=lost.attempt)
         if ep.rollout_id not in self.inflight:
             return None  # parked at a turn boundary
         call = self.inflight[ep.rollout_id][1]
@@ -375,7 +521,9 @@ class EpisodeRunner:
             if rec.continuation is not None:
                 out.continuations[ep.rollout_id] = rec.continuation
         live = {call for _, call in self.inflight.values()}
-        keep = [*out.continuations.values(), *self.resuming.values()]
+        live |= {lost for lost, _ in self.migrating.values()}
+        keep = [*out.continuations.values(), *self.resuming.values(),
+                *(older for _, older in self.migrating.values())]  # fmt: skip
         out.chunk_rows_swept = await self.sweep(keep, live)
         return out
 

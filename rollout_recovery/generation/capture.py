@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +41,10 @@ class CapturedCall:
     staged_tokens: int = 0
     chunk_keys: list[str] = field(default_factory=list)
     superseded_keys: list[str] = field(default_factory=list)  # a resumed attempt's old chunks
+    durable_floor: int = 0  # tokens durable in those old chunks (a resumed call's prefix)
     chain_digest: bytes = CHAIN_ROOT
     weight_versions: list[int] = field(default_factory=list)  # per staged chunk
+    staged_at: float = field(default_factory=time.monotonic)  # its last row (or its start)
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string
@@ -61,6 +64,11 @@ class CapturedCall:
 
     def num_generated(self) -> int:
         return self.reader.num_generated()
+
+    def not_durable(self, count: int) -> int:
+        """Of `count` tokens, how many are in no staged row yet (its own chain's, or, for a
+        resumed call, the earlier attempt's rows it was resumed from)."""
+        return max(0, count - max(self.staged_tokens, self.durable_floor))
 
     def progress(self) -> tuple[int, Sequence[int]]:
         """(tokens so far, the generated-ids list). Take it under the capture lock: the first
@@ -98,6 +106,8 @@ class TokenCapture:
         self.weight_version = 0
         self.classify = classify  # the reason a call's params make it uncuttable, or None
         self.on_added: Callable[[CapturedCall, AddedRequest], None] | None = None
+        # Called under the lock with the calls that just got new tokens (the journal's nudge).
+        self.on_stepped: Callable[[list[CapturedCall]], None] | None = None
 
     # ------------------------------------------------------------------ observer hooks
 
@@ -144,11 +154,13 @@ class TokenCapture:
     def stepped(self, steps: list[Step]) -> None:
         """Count each followed request's newly sampled tokens (the engine core's own
         outputs), then hand on the calls that finished."""
+        progressed = []
         for step in steps:
             call = self.by_request.get(step.request_id)
             if call is None:
                 continue
             self.attempts.decoded(call.identity, step.new_tokens)
+            progressed.append(call)
             if not step.finished:
                 continue
             del self.by_request[step.request_id]
@@ -163,6 +175,8 @@ class TokenCapture:
                 continue
             call.finished, call.finish_reason, call.stop_reason = True, reason, stop
             self.on_finished(call)
+        if progressed and self.on_stepped is not None:
+            self.on_stepped(progressed)
 
     def swept(self, is_live: Callable[[str], bool]) -> None:
         """After an abort: calls whose request vLLM dropped are gone."""

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from rollout_recovery import faults
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane.digest import chain_digest, finish_digest, token_digest
 from rollout_recovery.data_plane.schemas import (
@@ -165,38 +166,13 @@ class CutService:
                 rows.append((p, self._chunk(call, p)))
 
         staged_rows = staged_tokens = 0
-        for batch in self._batches(rows):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                for p, _ in batch:
-                    results[p.index] = _failure(p.ref, "control_deadline")
+        for p, row, reason in await self._stage(rows, deadline):
+            if reason is not None:
+                results[p.index] = _failure(p.ref, reason)
                 continue
-            table = chunk_rows_to_table([r for _, r in batch])
-            put = asyncio.ensure_future(self.store.aput(self.partition, table))
-            try:
-                await asyncio.wait_for(asyncio.shield(put), remaining)
-            except TimeoutError:
-                # The put may still land: once it settles, remove what it wrote. Until then
-                # these calls are not cut again (the next cut would reuse the keys).
-                cleanup = self._spawn(self._discard([r.key for _, r in batch], after=put))
-                for p, _ in batch:
-                    p.call.cleanup = cleanup
-                    results[p.index] = _failure(p.ref, "control_deadline")
-                continue
-            except Exception as err:
-                for p, _ in batch:
-                    results[p.index] = _failure(p.ref, f"staging_error: {type(err).__name__}")
-                continue
-            for p, row in batch:
-                call = p.call
-                call.staged_tokens = row.cum_len
-                call.chain_digest = row.digest
-                call.chunk_keys.append(row.key)
-                call.weight_versions.append(row.weight_version)
-                call.finish_staged = row.finish_reason is not None
-                results[p.index] = _success(p.ref, call, p.finish)
-                staged_rows += 1
-                staged_tokens += row.delta_len
+            results[p.index] = _success(p.ref, p.call, p.finish)
+            staged_rows += 1
+            staged_tokens += row.delta_len
         if staged_rows:
             crash_point("cut_rows_staged")
         receipts = [results[i] for i in range(len(inventory.calls))]
@@ -211,6 +187,85 @@ class CutService:
             lock_hold_us=hold_us,
             elapsed_s=time.monotonic() - t0,
         )
+
+    async def _stage(
+        self, rows: list[tuple[_Plan, ChunkRow]], deadline: float
+    ) -> list[tuple[_Plan, ChunkRow, str | None]]:
+        """Put chunk rows into the store in bounded batches before `deadline`; each staged
+        row extends its call's chain. Per row: None when durable, else the failure reason."""
+        out: list[tuple[_Plan, ChunkRow, str | None]] = []
+        for batch in self._batches(rows):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                out += [(p, r, "control_deadline") for p, r in batch]
+                continue
+            table = chunk_rows_to_table([r for _, r in batch])
+            put = asyncio.ensure_future(self.store.aput(self.partition, table))
+            try:
+                await asyncio.wait_for(asyncio.shield(put), remaining)
+            except TimeoutError:
+                # The put may still land: once it settles, remove what it wrote. Until then
+                # these calls are not staged again (the next row would reuse the keys).
+                cleanup = self._spawn(self._discard([r.key for _, r in batch], after=put))
+                for p, r in batch:
+                    p.call.cleanup = cleanup
+                    out.append((p, r, "control_deadline"))
+                continue
+            except Exception as err:
+                out += [(p, r, f"staging_error: {type(err).__name__}") for p, r in batch]
+                continue
+            for p, row in batch:
+                call = p.call
+                call.staged_tokens = row.cum_len
+                call.chain_digest = row.digest
+                call.chunk_keys.append(row.key)
+                call.weight_versions.append(row.weight_version)
+                call.finish_staged = row.finish_reason is not None
+                call.staged_at = time.monotonic()
+                out.append((p, row, None))
+        return out
+
+    # ------------------------------------------------------------------ journal
+
+    def sample_journal_lag(self) -> None:
+        """Record each in-flight call's lag: tokens decoded and in no staged row yet."""
+        with self.capture.lock:
+            for call in self.capture.calls.values():
+                if not (call.finished or call.uncuttable or call.terminal_staged):
+                    self.metrics.journal_lag(call.not_durable(call.num_generated()))
+
+    async def journal(self, due: Callable[[CapturedCall, int, float], bool]) -> int:
+        """Stage the new tokens of every in-flight call for which `due(call, new_tokens,
+        now)` holds, as the next row of its chain (the chain a cut extends too), without a
+        fence and without the environment. Returns the tokens made durable."""
+        async with self._cut_lock:
+            now = time.monotonic()
+            plans: list[_Plan] = []
+            with self.capture.lock:
+                for call in self.capture.calls.values():
+                    if call.finished or call.uncuttable or call.terminal_staged:
+                        continue
+                    n, ids = call.progress()
+                    new = call.not_durable(n)
+                    if new > 0 and due(call, new, now):
+                        ref = CallRef(**call.identity._asdict())
+                        plans.append(_Plan(len(plans), ref, call, n, ids, None))
+            ready = [p for p in plans if p.call.cleanup is None or p.call.cleanup.done()]
+            rows = [(p, self._chunk(p.call, p)) for p in ready]
+            if faults.active("journal_rows_corrupted"):  # deliberate (faults.py)
+                for _, row in rows:
+                    row.token_ids = row.token_ids.copy()
+                    row.token_ids[0] += 1
+            staged = 0
+            for _, row, reason in await self._stage(rows, now + self.timeout_s):
+                if reason is None:
+                    staged += row.delta_len
+                    self.metrics.count("journal.rows")
+                else:
+                    self.metrics.tally[f"journal_failure.{reason.split(':')[0]}"] += 1
+            if staged:
+                self.metrics.count("journal.tokens", staged)
+            return staged
 
     def _chunk(self, call: CapturedCall, p: _Plan) -> ChunkRow:
         """The next chained chunk of a call: its tokens past what is staged (copied outside

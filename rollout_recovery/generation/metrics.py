@@ -55,6 +55,16 @@ class WorkerMetrics:
             "rollout_recovery_retired_chunk_rows",
             "Earlier attempts' chunk rows deleted after a resume answered without decoding",
         )
+        self.journal_rows = Counter("rollout_recovery_journal_rows", "Chunk rows journaled")
+        self.journal_tokens = Counter(
+            "rollout_recovery_journal_tokens", "Tokens made durable by the journal"
+        )
+        self.journal_lag_tokens = Histogram(
+            "rollout_recovery_journal_lag_tokens",
+            "Tokens of an in-flight call decoded but not yet durable, sampled per journal pass",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+        )
+        self.journal_lags: deque[int] = deque(maxlen=100_000)
         self.resume_decoded = Counter(
             "rollout_recovery_resume_decoded_tokens",
             "Tokens the engine decoded for resumed calls (their tails)",
@@ -91,12 +101,29 @@ class WorkerMetrics:
             "deferred_deletes": self.deferred_deletes,
             "retired_chunk_rows": self.retired_rows,
             "resume.decoded_tokens": self.resume_decoded,
+            "journal.rows": self.journal_rows,
+            "journal.tokens": self.journal_tokens,
         }
         series[name].inc(n)
         self.tally[name] += n
+
+    def journal_lag(self, tokens: int) -> None:
+        self.journal_lag_tokens.observe(tokens)
+        self.journal_lags.append(tokens)
+
+    def journal_lag_percentiles(self) -> dict[str, float]:
+        """p50 and p99 of the sampled journal lag (tokens), for the run's counts."""
+        if not self.journal_lags:
+            return {}
+        lags = sorted(self.journal_lags)
+
+        def at(q: float) -> float:
+            return float(lags[min(len(lags) - 1, int(q * len(lags)))])
+
+        return {"journal.lag_p50_max": at(0.5), "journal.lag_p99_max": at(0.99)}
 
     def fence_seconds(self, seconds: float) -> None:
         self.fence_hold.inc(seconds)
 
     def snapshot(self) -> dict[str, float]:
-        return dict(self.tally)
+        return dict(self.tally) | self.journal_lag_percentiles()

@@ -10,7 +10,11 @@ worker (start, stop, fences, cuts by inventory, weight pushes, metrics, call rec
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import os
 import secrets
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +24,7 @@ import ray
 from rollout_recovery.config import RolloutRecoveryConfig, WorkerConfig
 from rollout_recovery.generation.engine_setup import engine_env
 from rollout_recovery.generation.worker import GenerationWorker, WorkerHealth, WorkerInfo
-from rollout_recovery.protocol import CutInventory
+from rollout_recovery.protocol import CallReceipt, CutInventory
 from rollout_recovery.runtime import actor_class
 
 
@@ -31,6 +35,7 @@ class WorkerHandle:
     actor: ray.actor.ActorHandle
     info: WorkerInfo
     control_token: str | None = None
+    weight_version: int = 0  # what a replacement was loaded with before it joined
 
     def _ref(self, method: str, *args: Any) -> ray.ObjectRef:
         return getattr(self.actor, method).remote(*args)
@@ -98,6 +103,9 @@ class WorkerHandle:
     def health(self, timeout: float | None = None) -> WorkerHealth:
         return self._get("health", timeout=timeout)
 
+    async def ahealth(self) -> WorkerHealth:
+        return await self._ref("health")
+
     def run_inside(self, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(worker, *args)` run inside the actor on its event loop's thread, for tests and
         benchmarks that inject faults or read internals (Ray's `__ray_call__`)."""
@@ -108,11 +116,42 @@ class WorkerHandle:
         return self._get("info")
 
 
-class WorkerPool:
-    """The started workers of a run, in worker-index order."""
+# What a worker actor raises once it is gone (killed, its node lost, its process dead).
+WORKER_GONE = (ray.exceptions.RayActorError,)
 
-    def __init__(self, workers: Sequence[WorkerHandle]) -> None:
+
+@dataclass
+class WorkerSpec:
+    """What starting one more worker like the pool's others takes (a replacement)."""
+
+    config: dict[str, Any]  # the WorkerConfig view, as sent to each worker
+    store: Any
+    startup_timeout_s: float
+    control_token: str | None
+
+
+class WorkerPool:
+    """The started workers of a run, in worker-index order.
+
+    A worker found dead is marked `lost` (index -> cause) and skipped by every fan-out until
+    `replace` puts a started worker, loaded with the current weights, in its place.
+    """
+
+    def __init__(self, workers: Sequence[WorkerHandle], spec: WorkerSpec | None = None) -> None:
         self.workers = list(workers)
+        self.spec = spec
+        self.lost: dict[int, str] = {}
+        self.weights: tuple[str, int] | None = None  # the last pushed (directory, version)
+        self.replacements = 0
+        self._lock = threading.Lock()  # weights and swaps: the caller's thread and the loop's
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Sent to the environment actor as its own copy: without the lock."""
+        return {k: v for k, v in vars(self).items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def start(
@@ -129,27 +168,29 @@ class WorkerPool:
             cfg = cfg.model_copy(deep=True)
             cfg.token_capture.control_auth_token = secrets.token_urlsafe(24)
         worker_cfg = cfg.worker_config()  # a worker receives only the blocks it reads
-        actor_cls = actor_class(GenerationWorker, **worker_actor_options(worker_cfg))
-        config = worker_cfg.model_dump(mode="json")
-        actors = [actor_cls.remote(config, i, store) for i in range(n)]
+        spec = WorkerSpec(worker_cfg.model_dump(mode="json"), store,
+                          cfg.vllm_cfg.startup_timeout_s,
+                          cfg.token_capture.control_auth_token)  # fmt: skip
+        actors = [_spawn(spec, i) for i in range(n)]
         try:
-            infos = ray.get(
-                [a.start.remote() for a in actors], timeout=cfg.vllm_cfg.startup_timeout_s
-            )
+            infos = ray.get([a.start.remote() for a in actors], timeout=spec.startup_timeout_s)
         except BaseException:
             for a in actors:
                 ray.kill(a)
             raise
-        token = cfg.token_capture.control_auth_token
-        return cls([WorkerHandle(a, i, token) for a, i in zip(actors, infos, strict=True)])
+        pairs = zip(actors, infos, strict=True)
+        return cls([WorkerHandle(a, i, spec.control_token) for a, i in pairs], spec)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Graceful shutdown of every worker, then kill the actors (even if shutdown failed)."""
         if not self.workers:
             return
-        refs = [w.actor.shutdown.remote() for w in self.workers]
+        live = self.live()
+        refs = [w.actor.shutdown.remote() for _, w in live]
         try:
             ray.get(refs, timeout=timeout_s)
+        except WORKER_GONE:
+            pass  # one died meanwhile: the others were asked to shut down all the same
         finally:
             for w in self.workers:
                 ray.kill(w.actor)
@@ -168,39 +209,166 @@ class WorkerPool:
     def urls(self) -> list[str]:
         return [w.info.url for w in self.workers]
 
+    # ---------------------------------------------------------------- failures
+
+    def live(self) -> list[tuple[int, WorkerHandle]]:
+        """(index, worker) of every worker not marked lost."""
+        with self._lock:
+            return [(i, w) for i, w in enumerate(self.workers) if i not in self.lost]
+
+    def mark_lost(self, index: int, cause: str) -> bool:
+        """Mark worker `index` lost; False if it already was."""
+        with self._lock:
+            if index in self.lost:
+                return False
+            self.lost[index] = cause
+            return True
+
+    async def start_replacement(self, index: int) -> WorkerHandle:
+        """Kill lost worker `index` (for good: a hung one must drop its connections) and start a
+        new worker for its slot, loaded with the current weights; `join` puts it in."""
+        if self.spec is None:
+            raise RuntimeError("this pool cannot start workers (no WorkerSpec)")
+        with contextlib.suppress(Exception):
+            ray.kill(self.workers[index].actor)
+        actor = _spawn(self.spec, index)
+        try:
+            info = await asyncio.wait_for(actor.start.remote(), self.spec.startup_timeout_s)
+            handle = WorkerHandle(actor, info, self.spec.control_token)
+            if self.weights is not None:
+                weights_dir, version = self.weights
+                await handle.apush_weights(weights_dir, version)
+                handle.weight_version = version
+            return handle
+        except BaseException:
+            ray.kill(actor)
+            raise
+
+    def join(self, index: int, handle: WorkerHandle, weight_version: int) -> bool:
+        """Put a started replacement (on `weight_version`) into slot `index`; False, leaving
+        it out, when newer weights were pushed meanwhile (push them, then join again)."""
+        with self._lock:
+            if self.weights is not None and self.weights[1] != weight_version:
+                return False
+            self.workers[index] = handle
+            self.lost.pop(index, None)
+            self.replacements += 1
+            return True
+
+    async def _each(self, method: str, *args: Any) -> list[tuple[int, Any]]:
+        """`method(*args)` on every live worker; a worker found gone is marked lost and left
+        out, any other failure is returned in its place."""
+        live = self.live()
+        results = await asyncio.gather(
+            *(getattr(w, method)(*args) for _, w in live), return_exceptions=True
+        )
+        out = []
+        for (i, _), r in zip(live, results, strict=True):
+            if isinstance(r, WORKER_GONE):
+                self.mark_lost(i, "actor_dead")
+                continue
+            out.append((i, r))
+        return out
+
     # ---------------------------------------------------------------- checkpoint protocol
 
     async def begin_fences(self, epoch: int, lease_s: float) -> list[dict[str, Any]]:
-        return await asyncio.gather(*(w.abegin_fence(epoch, lease_s) for w in self.workers))
+        """Fence every live worker (a dead one deletes nothing: it needs no fence); any other
+        failure raises."""
+        out = []
+        for _, r in await self._each("abegin_fence", epoch, lease_s):
+            if isinstance(r, BaseException):
+                raise r
+            out.append(r)
+        return out
 
     async def end_fences(self, epoch: int) -> list[bool | BaseException]:
         """Release every fence; each worker's failure is returned in its place, not raised
         (a fence left held would stop terminal rows and chunk deletes until its lease ran
         out, so one failure must not skip the others)."""
-        steps = (w.aend_fence(epoch) for w in self.workers)
-        return await asyncio.gather(*steps, return_exceptions=True)
+        return [r for _, r in await self._each("aend_fence", epoch)]
 
     async def cut(self, inventories: dict[int, CutInventory]) -> list[dict[str, Any]]:
-        """Cut each worker's inventory (by worker index) concurrently; the receipts."""
-        return await asyncio.gather(*(self.workers[i].acut(inv) for i, inv in inventories.items()))
+        """Cut each worker's inventory (by worker index) concurrently; the receipts. The calls
+        of a worker that is lost or fails are `durable_failure` with reason
+        `worker_unavailable` (they go on from their journal or from scratch)."""
+        items = list(inventories.items())
+
+        async def one(index: int, inv: CutInventory) -> dict[str, Any]:
+            if index not in self.lost:
+                try:
+                    return await self.workers[index].acut(inv)
+                except WORKER_GONE:
+                    self.mark_lost(index, "actor_dead")
+                except Exception:  # each call's receipt names the failure
+                    pass
+            calls = [CallReceipt(**ref.model_dump(), disposition="durable_failure",
+                                 reason="worker_unavailable").model_dump()
+                     for ref in inv.calls]  # fmt: skip
+            return {"checkpoint_id": inv.checkpoint_id, "calls": calls}
+
+        return list(await asyncio.gather(*(one(i, inv) for i, inv in items)))
 
     # ---------------------------------------------------------------- weights and evidence
 
     def push_weights(self, weights_dir: str, weight_version: int) -> None:
-        ray.get([w._ref("push_weights", weights_dir, weight_version) for w in self.workers])
+        """Load new weights into every live worker; a replacement being started gets them
+        before it joins."""
+        with self._lock:
+            self.weights = (weights_dir, weight_version)
+            live = [(i, w) for i, w in enumerate(self.workers) if i not in self.lost]
+        refs = [w._ref("push_weights", weights_dir, weight_version) for _, w in live]
+        for (i, _), ref in zip(live, refs, strict=True):
+            try:
+                ray.get(ref)
+            except WORKER_GONE:
+                self.mark_lost(i, "actor_dead")
 
     def capture_metrics(self) -> list[dict[str, float]]:
-        return ray.get([w._ref("capture_metrics") for w in self.workers])
+        """Each live worker's tallies (a lost worker's counts went with it)."""
+        return [m for _, m in self._gather_live("capture_metrics")]
 
-    def call_attempts(self, cursors: Sequence[int]) -> list[dict[str, Any]]:
-        """Each worker's call-attempt records after its cursor."""
-        pairs = zip(self.workers, cursors, strict=True)
-        return ray.get([w._ref("call_attempts", c, None) for w, c in pairs])
+    def call_attempts(self, cursors: dict[str, int]) -> dict[int, tuple[str, dict[str, Any]]]:
+        """Each live worker's call-attempt records after its cursor: by worker index, (its
+        actor name, the page). Cursors are by actor name: a replacement starts its own log."""
+
+        def args(i: int) -> tuple:
+            return cursors.get(self.workers[i].info.actor_name or str(i), 0), None
+
+        pages = self._gather_live("call_attempts", args)
+        return {i: (self.workers[i].info.actor_name or str(i), page) for i, page in pages}
+
+    def _gather_live(self, method: str, args=lambda i: ()) -> list[tuple[int, Any]]:
+        out = []
+        live = self.live()
+        refs = [w._ref(method, *args(i)) for i, w in live]
+        for (i, _), ref in zip(live, refs, strict=True):
+            try:
+                out.append((i, ray.get(ref)))
+            except WORKER_GONE:
+                self.mark_lost(i, "actor_dead")
+        return out
 
     def describe(self) -> list[dict[str, Any]]:
-        """Where each worker serves (URL, pids); never the control token."""
+        """Where each worker serves (URL, pids, actor name); never the control token."""
         return [{"index": w.info.worker_index, "url": w.info.url, "pid": w.info.pid,
-                 "engine_pids": w.info.engine_pids} for w in self.workers]  # fmt: skip
+                 "engine_pids": w.info.engine_pids, "actor_name": w.info.actor_name,
+                 "lost": self.lost.get(i)}
+                for i, w in enumerate(self.workers)]  # fmt: skip
+
+
+def _spawn(spec: WorkerSpec, index: int) -> ray.actor.ActorHandle:
+    """A new worker actor (not started) for slot `index`, named so an operator (or a
+    failover check) can find it: `rollout-worker-<pid>-<index>-<n>` in namespace
+    `rollout_recovery`."""
+    cfg = WorkerConfig.from_dict(spec.config)
+    name = f"rollout-worker-{os.getpid()}-{index}-{next(_SPAWNED)}"
+    options = worker_actor_options(cfg) | {"name": name, "namespace": ACTOR_NAMESPACE}
+    return actor_class(GenerationWorker, **options).remote(spec.config, index, spec.store, name)
+
+
+ACTOR_NAMESPACE = "rollout_recovery"
+_SPAWNED = itertools.count()
 
 
 def worker_actor_options(cfg: WorkerConfig) -> dict[str, Any]:

@@ -387,3 +387,4 @@ class Resumer:
         call.prompt_token_ids = np.asarray(prefix.prompt_ids, dtype=np.int32)
         call.max_tokens = original.max_tokens
         call.superseded_keys = list(prefix.keys)  # deleted with this call's own chunks
+        call.durable_floor = len(prefix.ids)  # durable already, in the earlier attempt's rows

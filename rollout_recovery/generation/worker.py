@@ -24,6 +24,7 @@ from rollout_recovery.generation.control import RequestGate, make_control_router
 from rollout_recovery.generation.cut import CutService
 from rollout_recovery.generation.cuttability import uncuttable_reason
 from rollout_recovery.generation.engine_host import EngineHost, child_pids
+from rollout_recovery.generation.journal import Journal
 from rollout_recovery.generation.resume import Resumer
 from rollout_recovery.generation.weights import push_weights
 from rollout_recovery.protocol import CutInventory
@@ -43,12 +44,14 @@ class WorkerInfo(BaseModel):
     vllm_version: str
     startup_s: float
     eos_token_id: int | None = None  # closes an assistant turn in the chat template
+    actor_name: str | None = None  # the Ray actor's name (namespace rollout_recovery)
 
 
 class WorkerHealth(BaseModel):
     healthy: bool
     reason: str | None = None
     url: str
+    weight_version: int = 0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class CaptureWiring:
     service: CutService
     resumer: Resumer
     router: APIRouter
+    journal: Journal
 
 
 def wire_capture(cfg: WorkerConfig, store, tokenizer: Any) -> CaptureWiring:
@@ -96,21 +100,28 @@ def wire_capture(cfg: WorkerConfig, store, tokenizer: Any) -> CaptureWiring:
         fetch_timeout_s=tc.control_timeout_s,
         tokenizer=tokenizer,
     )
-    return CaptureWiring(
-        capture, service, resumer, make_control_router(service, tc.control_auth_token)
-    )
+    journal = Journal(service, tc.journal_interval_tokens, tc.journal_interval_s)
+    router = make_control_router(service, tc.control_auth_token)
+    return CaptureWiring(capture, service, resumer, router, journal)
 
 
 class GenerationWorker:
     """One vLLM engine plus its OpenAI-compatible HTTP server (an async Ray actor)."""
 
-    def __init__(self, config: dict[str, Any], worker_index: int = 0, store=None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker_index: int = 0,
+        store=None,
+        actor_name: str | None = None,
+    ) -> None:
         self._cfg = WorkerConfig.from_dict(config)
-        self._index = worker_index
+        self._index, self._actor_name = worker_index, actor_name
         self._store = store
         self._host: EngineHost | None = None
         self._engine: Any = None
         self._service: CutService | None = None
+        self._journal: Journal | None = None
         self._weight_version = 0
         self._info: WorkerInfo | None = None
 
@@ -124,7 +135,8 @@ class GenerationWorker:
         wiring = None
         if self._cfg.token_capture.enabled:
             wiring = wire_capture(self._cfg, self._store, vllm_compat.output_tokenizer(engine))
-            self._service = wiring.service
+            self._service, self._journal = wiring.service, wiring.journal
+            wiring.journal.start()
         app = await host.create_app([wiring.router] if wiring else [])
         ends = prefix_supply.turn_end_ids(host.tokenizer)
         vllm_compat.install_engine_hooks(
@@ -147,6 +159,7 @@ class GenerationWorker:
             vllm_version=host.vllm_version,
             startup_s=round(time.monotonic() - t0, 3),
             eos_token_id=host.tokenizer.eos_token_id,
+            actor_name=self._actor_name,
         )
         return self._info
 
@@ -222,10 +235,12 @@ class GenerationWorker:
             await asyncio.wait_for(self._engine.check_health(), timeout=10)
         except Exception as err:  # reported, not raised: health is a query
             return WorkerHealth(healthy=False, reason=f"engine_check_failed: {err!r}", url=url)
-        return WorkerHealth(healthy=True, url=url)
+        return WorkerHealth(healthy=True, url=url, weight_version=self._weight_version)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Write what is owed to the store, then stop HTTP and the engine."""
+        if self._journal is not None:
+            await self._journal.stop()
         if self._service is not None:
             # Terminal rows of finished calls are still owed to the store.
             with contextlib.suppress(TimeoutError):

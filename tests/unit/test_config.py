@@ -546,7 +546,7 @@ VIEWS = {
     WorkerConfig: ("worker_config", {"policy", "vllm_cfg", "token_capture"}),
     EnvironmentActorConfig: (
         "environment_config",
-        {"policy", "environment", "token_capture", "rollout_recovery", "gateway"},
+        {"policy", "environment", "token_capture", "rollout_recovery", "gateway", "failover"},
     ),
     CheckpointCoordinatorConfig: (
         "checkpoint_config",

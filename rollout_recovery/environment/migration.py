@@ -1,0 +1,53 @@
+"""Where a call that lost its worker goes on from: the newest verified prefix of its chain.
+
+A dead worker's call attempt left chunk rows in the staging store (its journal, and the rows
+of any checkpoint cut). They are read back and checked as a restore would check them (one
+chain from chunk 0: order, counts, chained digests, identity, weight versions); a chain that
+fails any check is not used (fail closed: the call is decoded from scratch, the reason
+counted). The call continues from whichever is longer: that chain, or the continuation the
+attempt was itself resumed from (its rows are still staged). The worker that takes the call
+validates the continuation again before it splices anything in.
+"""
+
+from __future__ import annotations
+
+from rollout_recovery.data_plane.schemas import table_to_chunk_rows
+from rollout_recovery.generation.resume import ResumeRefused, validate_chunks
+from rollout_recovery.protocol import CallIdentity, Continuation
+
+
+async def journal_continuation(
+    store, partition: str, lost: CallIdentity, resumed_from: Continuation | None
+) -> tuple[Continuation | None, str | None]:
+    """The continuation of call attempt `lost` for its next attempt, and the reason its own
+    chain was refused (None when it was usable or absent). None: nothing to resume from."""
+    keys = sorted(await store.alist(partition, f"{lost.key_prefix()}/c"))
+    journal, refused = None, None
+    if keys:
+        table, missing = await store.aget(partition, keys)
+        rows = sorted(table_to_chunk_rows(table), key=lambda r: r.chunk_seq) if table else []
+        try:
+            if missing or not rows:
+                raise ResumeRefused("missing_chunk", f"{len(missing)} rows vanished")
+            nxt = lost._replace(attempt=lost.attempt + 1)
+            prompt = rows[0].prompt_token_ids
+            last = rows[-1]
+            validate_chunks(rows, nxt, [r.key for r in rows],
+                            [] if prompt is None else prompt.tolist(),
+                            last.cum_len, last.digest.hex())  # fmt: skip
+            journal = Continuation(
+                call_id=lost.model_call_id,
+                attempt=lost.attempt,
+                keys=[r.key for r in rows],
+                tokens=last.cum_len,
+                digest=last.digest.hex(),
+                cut_kind="terminal_completion" if last.finish_reason else "active_prefix",
+            )
+        except ResumeRefused as err:
+            refused = err.reason
+    older = resumed_from if resumed_from is not None and resumed_from.cut else None
+    if journal is None:
+        return older, refused
+    if older is not None and (older.tokens or 0) > (journal.tokens or 0):
+        return older, refused
+    return journal, refused

@@ -1,0 +1,297 @@
+"""Benchmark continuous token journaling: decode throughput per journal interval K vs off.
+
+    .venv/bin/python scripts/bench_journal.py --json bench_results/journal.json
+
+One live GenerationWorker (WorkerPool.start, token capture on, a real StagingStore) is started
+once; between rounds its journal is switched (`Journal.configure(K)` run inside the actor)
+between `off` and every K of `--k` (default 8, 16, 64, 256 tokens). A round is `--calls` (64)
+identified greedy chat completions over HTTP, each decoding exactly `--tokens` (192) tokens
+(`ignore_eos`, `logprobs: true`, its own rollout id, so every call is journaled when the
+journal is on). Throughput = the responses' `usage.completion_tokens` summed / wall seconds
+from the first send to the last response.
+
+The modes are interleaved: `--rounds` cycles over all of them, each cycle in a rotated order
+(so a slow drift of the machine hits every mode alike), after one uncounted warm-up round at
+the smallest K. Per mode: the median tokens/s; the ratio to `off` (median over cycles of the
+mode's tokens/s over the same cycle's `off` round); journal rows and tokens staged per round
+(the worker's `journal.rows` / `journal.tokens` tallies before and after each round); and the
+journal lag (tokens decoded but not yet durable, sampled per active call at each journal pass)
+p50 / p99, exact percentiles of the worker's own samples of that mode's rounds.
+
+After each round the worker's background terminal writes are drained and the staging
+partition must be empty again (a finished call's chunk rows are deleted with its terminal row):
+"rows left" > 0 in any round makes the run fail (exit 1).
+
+`--quick`: one cycle, 96 tokens per call (a smoke run).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+# Before torch or vLLM are imported (engine_setup itself imports neither).
+from bench_common import percentile, write_result  # noqa: E402
+
+from rollout_recovery.generation.engine_setup import CPU_ENGINE_ENV  # noqa: E402
+
+os.environ.update(CPU_ENGINE_ENV)
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # logging only: keeps the table readable
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import gc  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+from rollout_recovery.protocol import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT  # noqa: E402
+
+OFF = "off"
+
+
+def mode_name(k: int | None) -> str:
+    return OFF if k is None else f"K={k}"
+
+
+def _body(rollout: str, max_tokens: int) -> dict:
+    """An identified chat completion that decodes exactly `max_tokens` tokens."""
+    return {
+        "model": "policy",
+        "messages": [{"role": "user", "content": f"Count the letters in {rollout}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "vllm_xargs": {XARG_ROLLOUT: rollout, XARG_CALL: "c0", XARG_ATTEMPT: 0},
+    }
+
+
+async def _decode(url: str, tag: str, calls: int, tokens: int) -> tuple[int, float]:
+    """`calls` identified completions at once; (completion tokens, wall s first send to last
+    response)."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=calls + 8)
+    async with httpx.AsyncClient(limits=limits, timeout=600) as client:
+
+        async def one(rollout: str) -> int:
+            resp = await client.post(f"{url}/v1/chat/completions", json=_body(rollout, tokens))
+            resp.raise_for_status()
+            return resp.json()["usage"]["completion_tokens"]
+
+        t = time.perf_counter()
+        counts = await asyncio.gather(*(one(f"{tag}-{i}") for i in range(calls)))
+        dt = time.perf_counter() - t
+    return sum(counts), dt
+
+
+def _configure(worker, k: int | None) -> None:
+    worker._journal.configure(k)
+
+
+def _clear_lags(worker) -> None:
+    worker._service.metrics.journal_lags.clear()
+
+
+def _lags(worker) -> list[int]:
+    return list(worker._service.metrics.journal_lags)
+
+
+def _rows_left(pool, store, partition: str, wait_s: float) -> int:
+    """Staging rows still there once background writes are drained (polled up to `wait_s`)."""
+    pool[0].drain(timeout=60)
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = store.list(partition)
+        if not left or time.monotonic() >= deadline:
+            return len(left)
+        time.sleep(0.1)
+        pool[0].drain(timeout=60)
+
+
+def run_round(pool, store, args, k: int | None, tag: str, partition: str) -> dict:
+    w = pool[0]
+    w.run_inside(_configure, k)
+    w.run_inside(_clear_lags)
+    before = w.capture_metrics()
+    gc.collect()
+    tokens, dt = asyncio.run(_decode(w.info.url, tag, args.calls, args.tokens))
+    left = _rows_left(pool, store, partition, args.settle_s)
+    after = w.capture_metrics()
+    lags = w.run_inside(_lags)
+    assert tokens == args.calls * args.tokens, (tokens, args.calls * args.tokens)
+    failures = {
+        key: after.get(key, 0) - before.get(key, 0)
+        for key in after
+        if key.startswith("journal_failure.") and after.get(key, 0) != before.get(key, 0)
+    }
+    return {
+        "mode": mode_name(k),
+        "k": k,
+        "tag": tag,
+        "seconds": dt,
+        "tokens": tokens,
+        "tok_s": tokens / dt,
+        "journal_rows": after.get("journal.rows", 0) - before.get("journal.rows", 0),
+        "journal_tokens": after.get("journal.tokens", 0) - before.get("journal.tokens", 0),
+        "journal_failures": failures,
+        "lag_samples": lags,
+        "lags_truncated": len(lags) >= 100_000,
+        "rows_left": left,
+    }
+
+
+def summarize(modes: list[int | None], rounds: list[dict]) -> list[dict]:
+    by_cycle: dict[int, dict[str, dict]] = {}
+    for r in rounds:
+        by_cycle.setdefault(r["cycle"], {})[r["mode"]] = r
+    out = []
+    for k in modes:
+        name = mode_name(k)
+        mine = [r for r in rounds if r["mode"] == name]
+        ratios = [c[name]["tok_s"] / c[OFF]["tok_s"] for c in by_cycle.values() if OFF in c]
+        lags = [x for r in mine for x in r["lag_samples"]]
+        out.append(
+            {
+                "mode": name,
+                "k": k,
+                "tok_s_median": statistics.median(r["tok_s"] for r in mine),
+                "tok_s": [r["tok_s"] for r in mine],
+                "ratio_vs_off": statistics.median(ratios) if ratios else None,
+                "ratios_vs_off": ratios,
+                "journal_rows_per_round": statistics.mean(r["journal_rows"] for r in mine),
+                "journal_tokens_per_round": statistics.mean(r["journal_tokens"] for r in mine),
+                "lag_samples": len(lags),
+                "lag_p50": percentile(lags, 50) if lags else None,
+                "lag_p99": percentile(lags, 99) if lags else None,
+                "rows_left_max": max(r["rows_left"] for r in mine),
+                "journal_failures": sum(sum(r["journal_failures"].values()) for r in mine),
+            }
+        )
+    return out
+
+
+def print_table(summary: list[dict]) -> None:
+    def num(x, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    cols = ["mode", "tokens/s", "vs off", "rows/round", "tokens/round", "lag p50", "lag p99",
+            "rows left"]  # fmt: skip
+    print("".join(f"{c:>13}" for c in cols))
+    for s in summary:
+        cells = [
+            s["mode"],
+            num(s["tok_s_median"], ",.0f"),
+            num(s["ratio_vs_off"], ".3f"),
+            num(s["journal_rows_per_round"], ",.0f"),
+            num(s["journal_tokens_per_round"], ",.0f"),
+            num(s["lag_p50"], ".0f"),
+            num(s["lag_p99"], ".0f"),
+            str(s["rows_left_max"]),
+        ]
+        print("".join(f"{c:>13}" for c in cells))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", help="where to write the results")
+    ap.add_argument("--k", default="8,16,64,256", help="journal intervals (tokens) to compare")
+    ap.add_argument("--calls", type=int, default=64, help="concurrent calls per round")
+    ap.add_argument("--tokens", type=int, default=192, help="tokens decoded per call")
+    ap.add_argument("--rounds", type=int, default=3, help="cycles over all modes")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=10.0,
+        help="how long to wait for the staging partition to empty after a round",
+    )
+    ap.add_argument("--quick", action="store_true", help="one cycle, 96 tokens per call")
+    args = ap.parse_args()
+    if args.quick:  # new defaults: options given explicitly still win
+        ap.set_defaults(rounds=1, tokens=96)
+        args = ap.parse_args()
+    ks = sorted({int(x) for x in args.k.split(",") if x.strip()})
+    modes: list[int | None] = [None, *ks]
+
+    import ray
+
+    from rollout_recovery.config import load_config
+    from rollout_recovery.data_plane import StagingStore
+    from rollout_recovery.generation import WorkerPool
+    from rollout_recovery.runtime import init_ray
+    from rollout_recovery.tiny_model import ensure_tiny_model
+
+    cfg = load_config(
+        REPO / "configs" / "grpo_tiny_cpu.yaml",
+        [f"policy.model_path={ensure_tiny_model()}", "token_capture.enabled=true"],
+    )
+    partition = cfg.token_capture.staging_partition
+    init_ray("local", num_cpus=4, log_to_driver=False)
+    store = StagingStore.create(num_shards=1)
+    rounds: list[dict] = []
+    try:
+        t = time.perf_counter()
+        pool = WorkerPool.start(cfg, num_workers=1, store=store)
+        startup_s = time.perf_counter() - t
+        try:
+            warm_k = ks[0] if ks else None
+            warmup = run_round(pool, store, args, warm_k, "warmup", partition)
+            for cycle in range(args.rounds):
+                shift = cycle % len(modes)
+                for k in modes[shift:] + modes[:shift]:
+                    tag = f"c{cycle}-{mode_name(k).replace('=', '')}"
+                    r = run_round(pool, store, args, k, tag, partition)
+                    r["cycle"] = cycle
+                    rounds.append(r)
+                    line = f"{r['tok_s']:,.0f} tok/s, {r['journal_rows']} rows"
+                    print(f"  cycle {cycle} {r['mode']:>6}: {line}, {r['rows_left']} left",
+                          flush=True)  # fmt: skip
+            pool[0].run_inside(_configure, None)
+        finally:
+            pool.stop()
+    finally:
+        store.shutdown()
+        ray.shutdown()
+
+    summary = summarize(modes, rounds)
+    left = sum(r["rows_left"] for r in [warmup, *rounds])
+    print(
+        f"\none GenerationWorker (tiny model, token capture on, StagingStore), {args.calls} "
+        f"identified greedy chat completions x {args.tokens} tokens per round over HTTP, "
+        f"{args.rounds} interleaved cycle(s) of {len(modes)} modes + 1 warm-up round "
+        f"(startup {startup_s:.0f} s); tokens/s: median; vs off: median of per-cycle ratios; "
+        "lag: tokens not yet durable per active call at each journal pass\n"
+    )
+    print_table(summary)
+    for s in summary:
+        print(f"  {s['mode']:>6} per cycle: " + ", ".join(f"{x:,.0f}" for x in s["tok_s"]))
+    failures = sum(s["journal_failures"] for s in summary)
+    if failures:
+        print(f"journal failures during measured rounds: {failures}")
+    if left:
+        print(f"FAIL: {left} staging row(s) left after rounds (finished calls' rows not deleted)")
+
+    if args.json:
+        for r in [warmup, *rounds]:
+            r["lag_samples_count"] = len(r.pop("lag_samples"))
+        write_result(
+            args.json,
+            {
+                "args": vars(args),
+                "startup_s": startup_s,
+                "summary": summary,
+                "warmup": warmup,
+                "rounds": rounds,
+                "rows_left_total": left,
+            },
+        )
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
