@@ -5,8 +5,10 @@ killed run (resume disabled, committed turns decoded again) and one perturbed lo
 The user-environment check (functional_tests/env_recovery.sh) runs here as the prefix check
 (the notes agent, two kills, local files) and the turn check (the notes agent, on S3); the
 gateway check (functional_tests/gateway_recovery.sh) runs an `openai` client harness per
-rollout through the gateway. The built-in single-turn task's prefix recovery is killed at
-every crash point by tests/functional/test_crash_campaign.py."""
+rollout through the gateway; the failover check (functional_tests/worker_failover.sh) kills
+one worker's engine, then one worker actor, in the middle of generation. The built-in
+single-turn task's prefix recovery is killed at every crash point by
+tests/functional/test_crash_campaign.py."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "functional_tests" / "recovery_check.py"
+FAILOVER = REPO / "functional_tests" / "worker_failover.py"
 pytestmark = pytest.mark.engine
 
 
@@ -39,6 +42,7 @@ PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "-
 TURN = [*NOTES, "--level", "turn", "--max-tokens", "96", "--steps", "3"]
 GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
            "--cuts", "2"]  # fmt: skip
+FAILOVER_ARGS = ["--steps", "2", "--prompts", "2"]  # two groups of 4 calls per step
 RUNS = {
     # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
     # trainer checkpoint).
@@ -48,7 +52,10 @@ RUNS = {
     "turn": [*TURN, "--storage", "s3"],
     # The harness processes are killed with the job and start again from the top.
     "gateway": GATEWAY,
+    # No restart: a dead worker's calls continue on a live one (or its replacement).
+    "failover": FAILOVER_ARGS,
 }
+SCRIPTS = {"failover": FAILOVER}
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     outs = {name: tmp_path_factory.mktemp(name) for name in RUNS}
     procs = {}
     for name, args in RUNS.items():
-        cmd = [sys.executable, str(CHECK), "--out", str(outs[name]), *args, *SMALL]
+        small = [] if name in SCRIPTS else SMALL
+        script = SCRIPTS.get(name, CHECK)
+        cmd = [sys.executable, str(script), "--out", str(outs[name]), *args, *small]
         procs[name] = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -84,6 +93,11 @@ def gateway_run(runs) -> Path:
 @pytest.fixture(scope="module")
 def turn_run(runs) -> Path:
     return runs["turn"]
+
+
+@pytest.fixture(scope="module")
+def failover_run(runs) -> Path:
+    return runs["failover"]
 
 
 def _report(out: Path) -> dict:
@@ -188,3 +202,48 @@ def test_an_openai_harness_through_the_gateway_recovers_with_parity(gateway_run)
     assert ckpt["reference"] == ckpt["recovered"]
     [lost] = report["lost_work"]
     assert lost["prefix"] < lost["turn"] <= lost["none"]
+
+
+def test_a_dead_workers_calls_continue_from_their_journal_without_a_restart(failover_run):
+    """Worker 1's engine SIGKILLed (two workers), then the only worker's actor ray.killed after
+    a weight push: each run finished by itself with every batch equal to the reference's,
+    every call the dead worker held resumed from its journal on a live worker (the replacement,
+    on the pushed weights, in the one-worker run), at most K tokens decoded again per call."""
+    report = json.loads((failover_run / "failover.json").read_text())
+    assert report["problems"] == []
+    rows = {r["kind"]: r for r in report["runs"]}
+    assert set(rows) == {"engine", "actor"}
+    for row in rows.values():
+        assert row["same_batches"] and row["logprobs_bit_identical_min"] == 1.0
+        assert row["calls_on_dead_worker"] >= 4
+        assert row["resumed_from_journal"] == row["calls_on_dead_worker"]
+        assert 0 <= row["redecoded_tokens_max"] <= row["journal_tokens_k"]
+        assert sum(row["migrations"].values()) >= row["calls_on_dead_worker"]
+    assert rows["engine"]["migrations"].get("migrations.engine_dead")
+    assert rows["actor"]["migrations"].get("migrations.actor_dead")
+    assert rows["actor"]["workers_replaced"] >= 1
+
+
+def test_the_failover_check_fails_when_a_journal_is_corrupted(failover_run, tmp_path):
+    """Journal rows staged with a changed token: the moved calls refuse the chain and are
+    decoded from scratch (counted), so the batches still match, and the check fails on them."""
+    args = [
+        "--out",
+        str(tmp_path),
+        "--kill",
+        "engine",
+        *FAILOVER_ARGS,
+        "--reference",
+        str(failover_run / "reference"),
+        "--fault",
+        "journal_rows_corrupted",
+    ]
+    proc = subprocess.run([sys.executable, str(FAILOVER), *args], capture_output=True,
+                          text=True, timeout=900, check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "not resumed from its journal" in proc.stdout
+    [row] = json.loads((tmp_path / "failover.json").read_text())["runs"]
+    assert row["same_batches"] and row["resumed_from_journal"] == 0
+    lines = (tmp_path / "engine" / "steps.jsonl").read_text().splitlines()
+    refused = sum(json.loads(r).get("migration.journal_refused.digest_mismatch", 0) for r in lines)
+    assert refused == row["calls_on_dead_worker"] > 0
