@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 import threading
 import time
@@ -37,6 +38,7 @@ from pathlib import Path
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
 from rollout_recovery.controller.evidence import EvidenceLog
+from rollout_recovery.controller.journal_restore import extend_from_journal
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, restore_snapshot
 from rollout_recovery.controller.supervisor import WorkerSupervisor
@@ -53,6 +55,9 @@ from rollout_recovery.model_identity import (
 from rollout_recovery.runtime import ActorProxy, LoopThread, init_ray
 from rollout_recovery.storage import RunStorage
 
+JOURNAL_DIR = "journal"  # journal segments under the checkpoint dir (data_plane/journal_log.py)
+RESTORES_LOG = "restores.jsonl"  # per restore: what each call took from the journal
+
 
 @dataclass
 class GroupResult:
@@ -67,6 +72,13 @@ class RolloutRecovery:
     def __init__(
         self, cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
     ) -> None:
+        tc = cfg.token_capture
+        journal_on = tc.journal_interval_tokens is not None or tc.journal_interval_s is not None
+        if journal_on and tc.journal_storage and cfg.checkpointing.save_data_plane:
+            cfg = cfg.model_copy(deep=True)  # the workers append segments there
+            cfg.token_capture.journal_uri = RunStorage(
+                cfg.checkpointing.checkpoint_dir
+            ).child_uri(JOURNAL_DIR)
         self.cfg, self.ray_address = cfg, ray_address
         self.owner = owner  # the claim on the snapshot root; claimed in `start` when None
         self.model_dir = resolve_model_path(cfg.policy.model_path)
@@ -199,11 +211,29 @@ class RolloutRecovery:
             if chosen is None:
                 return None
             episodes = chosen.ledger.episodes
+            journal = self._extend_from_journal(restore_id, chosen.snapshot, episodes)
         finally:
             self.env.end_restore(restore_id, episodes)
         self.state.step = chosen.ledger.step
         return chosen.ledger.model_dump(mode="json") | {"snapshot": chosen.snapshot,
-                                                        "skipped": chosen.skipped}  # fmt: skip
+                                                        "skipped": chosen.skipped,
+                                                        "journal": journal}  # fmt: skip
+
+    def _extend_from_journal(self, restore_id: str, snapshot: str, episodes) -> dict:
+        """Each restored call in flight continues from the newer of its snapshot cut and its
+        journal (controller/journal_restore.py); what was taken is logged to
+        `restores.jsonl`, the evidence a recovery check reads."""
+        tc = self.cfg.token_capture
+        if not tc.journal_uri or not episodes:
+            return {}
+        ext = extend_from_journal(episodes, self.store, tc.staging_partition, tc.journal_uri)
+        for name, n in ext.counts.items():
+            self.metrics.add(name, n)
+        line = {"restore_id": restore_id, "snapshot": snapshot, "journal": ext.calls,
+                "counts": dict(ext.counts)}  # fmt: skip
+        with contextlib.suppress(OSError):
+            self.storage.append_line(RESTORES_LOG, json.dumps(line))
+        return ext.calls
 
     def serve_rollouts(self, stop: threading.Event, token: str | None = None) -> dict | None:
         """A standalone gateway: rollouts opened, served and finished over HTTP by harnesses

@@ -269,6 +269,20 @@ class TokenCaptureConfig(_Block):
     """Also journal a call whose newest durable row is older than this many seconds (a slow call
     with fewer than `journal_interval_tokens` new tokens). None: no time trigger."""
 
+    journal_storage: bool = True
+    """With the journal on, also append every staged chunk row to `<checkpointing.checkpoint_dir>/
+    journal/`. The rows then outlive a whole-job crash, and a restore resumes each call from the
+    newer of its snapshot cut and its verified journal. Off, the journal only serves failover
+    (the staging store dies with the job)."""
+
+    journal_retention_s: Float = Field(900.0, gt=0.0)
+    """Journal segments older than this many seconds are deleted after each published snapshot.
+    A restore extends a call only with rows written within this window."""
+
+    journal_uri: str | None = None
+    """Where the workers append journal segments. Leave it unset: the controller sets it to
+    `<checkpointing.checkpoint_dir>/journal` when `journal_storage` is on."""
+
     request_token_ids: bool = True
     """Ask the workers for prompt and generated token ids (`return_token_ids`). The environment
     builds its token entries from them, and the returned prompt ids prove a supplied prefix was

@@ -4,19 +4,22 @@
 
 One live GenerationWorker (WorkerPool.start, token capture on, a real StagingStore) is started
 once; between rounds its journal is switched (`Journal.configure(K)` run inside the actor)
-between `off` and every K of `--k` (default 8, 16, 64, 256 tokens). A round is `--calls` (64)
-identified greedy chat completions over HTTP, each decoding exactly `--tokens` (192) tokens
-(`ignore_eos`, `logprobs: true`, its own rollout id, so every call is journaled when the
-journal is on). Throughput = the responses' `usage.completion_tokens` summed / wall seconds
-from the first send to the last response.
+between `off` and every K of `--k` (default 8, 16, 64, 128 tokens), and K = `--disk-k` (16)
+with the durable copy on (`K=16+disk`: every staged batch also written as a segment file to a
+local directory, fsynced, as a whole-job restore needs; data_plane/journal_log.py). A round
+is `--calls` (64) identified greedy chat completions over HTTP, each decoding exactly
+`--tokens` (192) tokens (`ignore_eos`, `logprobs: true`, its own rollout id, so every call is
+journaled when the journal is on). Throughput = the responses' `usage.completion_tokens`
+summed / wall seconds from the first send to the last response.
 
 The modes are interleaved: `--rounds` cycles over all of them, each cycle in a rotated order
 (so a slow drift of the machine hits every mode alike), after one uncounted warm-up round at
 the smallest K. Per mode: the median tokens/s; the ratio to `off` (median over cycles of the
 mode's tokens/s over the same cycle's `off` round); journal rows and tokens staged per round
 (the worker's `journal.rows` / `journal.tokens` tallies before and after each round); and the
-journal lag (tokens decoded but not yet durable, sampled per active call at each journal pass)
-p50 / p99, exact percentiles of the worker's own samples of that mode's rounds.
+journal lag (tokens decoded but not yet in the store, sampled every 0.1 s per in-flight call,
+journal on or off) p50 / p99, exact percentiles of the worker's own samples of that mode's
+rounds; for `+disk`, segments written per round and the slowest segment write.
 
 After each round the worker's background terminal writes are drained and the staging
 partition must be empty again (a finished call's chunk rows are deleted with its terminal row):
@@ -52,10 +55,12 @@ import time  # noqa: E402
 from rollout_recovery.protocol import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT  # noqa: E402
 
 OFF = "off"
+Mode = tuple[int | None, bool]  # (K or None for off, durable copy on)
 
 
-def mode_name(k: int | None) -> str:
-    return OFF if k is None else f"K={k}"
+def mode_name(mode: Mode) -> str:
+    k, disk = mode
+    return OFF if k is None else f"K={k}" + ("+disk" if disk else "")
 
 
 def _body(rollout: str, max_tokens: int) -> dict:
@@ -90,8 +95,12 @@ async def _decode(url: str, tag: str, calls: int, tokens: int) -> tuple[int, flo
     return sum(counts), dt
 
 
-def _configure(worker, k: int | None) -> None:
+def _configure(worker, mode: Mode, disk_dir: str) -> None:
+    from rollout_recovery.data_plane.journal_log import JournalLog
+
+    k, disk = mode
     worker._journal.configure(k)
+    worker._service.journal_log = JournalLog(disk_dir, "bench") if disk else None
 
 
 def _clear_lags(worker) -> None:
@@ -114,9 +123,9 @@ def _rows_left(pool, store, partition: str, wait_s: float) -> int:
         pool[0].drain(timeout=60)
 
 
-def run_round(pool, store, args, k: int | None, tag: str, partition: str) -> dict:
+def run_round(pool, store, args, mode: Mode, tag: str, partition: str) -> dict:
     w = pool[0]
-    w.run_inside(_configure, k)
+    w.run_inside(_configure, mode, args.disk_dir)
     w.run_inside(_clear_lags)
     before = w.capture_metrics()
     gc.collect()
@@ -131,8 +140,11 @@ def run_round(pool, store, args, k: int | None, tag: str, partition: str) -> dic
         if key.startswith("journal_failure.") and after.get(key, 0) != before.get(key, 0)
     }
     return {
-        "mode": mode_name(k),
-        "k": k,
+        "mode": mode_name(mode),
+        "k": mode[0],
+        "disk": mode[1],
+        "segments": after.get("journal.segments", 0) - before.get("journal.segments", 0),
+        "segment_s_max": after.get("journal.segment_s_max", 0),
         "tag": tag,
         "seconds": dt,
         "tokens": tokens,
@@ -146,20 +158,23 @@ def run_round(pool, store, args, k: int | None, tag: str, partition: str) -> dic
     }
 
 
-def summarize(modes: list[int | None], rounds: list[dict]) -> list[dict]:
+def summarize(modes: list[Mode], rounds: list[dict]) -> list[dict]:
     by_cycle: dict[int, dict[str, dict]] = {}
     for r in rounds:
         by_cycle.setdefault(r["cycle"], {})[r["mode"]] = r
     out = []
-    for k in modes:
-        name = mode_name(k)
+    for mode in modes:
+        name = mode_name(mode)
         mine = [r for r in rounds if r["mode"] == name]
         ratios = [c[name]["tok_s"] / c[OFF]["tok_s"] for c in by_cycle.values() if OFF in c]
         lags = [x for r in mine for x in r["lag_samples"]]
         out.append(
             {
                 "mode": name,
-                "k": k,
+                "k": mode[0],
+                "disk": mode[1],
+                "segments_per_round": statistics.mean(r["segments"] for r in mine),
+                "segment_s_max": max(r["segment_s_max"] for r in mine),
                 "tok_s_median": statistics.median(r["tok_s"] for r in mine),
                 "tok_s": [r["tok_s"] for r in mine],
                 "ratio_vs_off": statistics.median(ratios) if ratios else None,
@@ -181,7 +196,7 @@ def print_table(summary: list[dict]) -> None:
         return "-" if x is None else format(x, fmt)
 
     cols = ["mode", "tokens/s", "vs off", "rows/round", "tokens/round", "lag p50", "lag p99",
-            "rows left"]  # fmt: skip
+            "segments", "seg max s", "rows left"]  # fmt: skip
     print("".join(f"{c:>13}" for c in cols))
     for s in summary:
         cells = [
@@ -192,6 +207,8 @@ def print_table(summary: list[dict]) -> None:
             num(s["journal_tokens_per_round"], ",.0f"),
             num(s["lag_p50"], ".0f"),
             num(s["lag_p99"], ".0f"),
+            num(s["segments_per_round"], ",.0f"),
+            num(s["segment_s_max"], ".3f"),
             str(s["rows_left_max"]),
         ]
         print("".join(f"{c:>13}" for c in cells))
@@ -200,7 +217,9 @@ def print_table(summary: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="where to write the results")
-    ap.add_argument("--k", default="8,16,64,256", help="journal intervals (tokens) to compare")
+    ap.add_argument("--k", default="8,16,64,128", help="journal intervals (tokens) to compare")
+    ap.add_argument("--disk-k", type=int, default=16,
+                    help="K of the extra mode with the durable copy on (0: none)")  # fmt: skip
     ap.add_argument("--calls", type=int, default=64, help="concurrent calls per round")
     ap.add_argument("--tokens", type=int, default=192, help="tokens decoded per call")
     ap.add_argument("--rounds", type=int, default=3, help="cycles over all modes")
@@ -216,7 +235,13 @@ def main() -> int:
         ap.set_defaults(rounds=1, tokens=96)
         args = ap.parse_args()
     ks = sorted({int(x) for x in args.k.split(",") if x.strip()})
-    modes: list[int | None] = [None, *ks]
+    modes: list[Mode] = [(None, False), *((k, False) for k in ks)]
+    if args.disk_k:
+        modes.append((args.disk_k, True))
+    import tempfile
+
+    disk = tempfile.TemporaryDirectory(prefix="bench-journal-")
+    args.disk_dir = disk.name
 
     import ray
 
@@ -239,24 +264,24 @@ def main() -> int:
         pool = WorkerPool.start(cfg, num_workers=1, store=store)
         startup_s = time.perf_counter() - t
         try:
-            warm_k = ks[0] if ks else None
-            warmup = run_round(pool, store, args, warm_k, "warmup", partition)
+            warmup = run_round(pool, store, args, modes[1 % len(modes)], "warmup", partition)
             for cycle in range(args.rounds):
                 shift = cycle % len(modes)
-                for k in modes[shift:] + modes[:shift]:
-                    tag = f"c{cycle}-{mode_name(k).replace('=', '')}"
-                    r = run_round(pool, store, args, k, tag, partition)
+                for mode in modes[shift:] + modes[:shift]:
+                    tag = f"c{cycle}-{mode_name(mode).replace('=', '').replace('+', '-')}"
+                    r = run_round(pool, store, args, mode, tag, partition)
                     r["cycle"] = cycle
                     rounds.append(r)
                     line = f"{r['tok_s']:,.0f} tok/s, {r['journal_rows']} rows"
                     print(f"  cycle {cycle} {r['mode']:>6}: {line}, {r['rows_left']} left",
                           flush=True)  # fmt: skip
-            pool[0].run_inside(_configure, None)
+            pool[0].run_inside(_configure, (None, False), args.disk_dir)
         finally:
             pool.stop()
     finally:
         store.shutdown()
         ray.shutdown()
+        disk.cleanup()
 
     summary = summarize(modes, rounds)
     left = sum(r["rows_left"] for r in [warmup, *rounds])
@@ -265,7 +290,7 @@ def main() -> int:
         f"identified greedy chat completions x {args.tokens} tokens per round over HTTP, "
         f"{args.rounds} interleaved cycle(s) of {len(modes)} modes + 1 warm-up round "
         f"(startup {startup_s:.0f} s); tokens/s: median; vs off: median of per-cycle ratios; "
-        "lag: tokens not yet durable per active call at each journal pass\n"
+        "lag: tokens not yet in the store per in-flight call, sampled every 0.1 s\n"
     )
     print_table(summary)
     for s in summary:

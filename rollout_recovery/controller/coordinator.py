@@ -31,6 +31,7 @@ from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import PublishGate, StagingStore
+from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.ownership import Owner, OwnerFenced
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
@@ -212,6 +213,7 @@ class CheckpointCoordinator:
         crash_point("fences_released")
         keep = self.cfg.rollout_checkpointing.keep_latest_k
         StagingStore.gc(self.snapshot_root, keep, owner=self.owner)
+        self._gc_journal()
         self.metrics.add("checkpoints")
         self.metrics.add("fence_hold_s", fence_s)
         metrics = {
@@ -221,6 +223,18 @@ class CheckpointCoordinator:
         }  # fmt: skip
         self._log(metrics)
         return metrics
+
+    def _gc_journal(self) -> None:
+        """Journal segments older than `token_capture.journal_retention_s` go (a report: a
+        failed delete is retried after the next snapshot)."""
+        tc = self.cfg.token_capture
+        if not tc.journal_uri:
+            return
+        before = time.time_ns() - int(tc.journal_retention_s * 1e9)
+        try:
+            self.metrics.add("journal_segments_deleted", JournalLog.gc(tc.journal_uri, before))
+        except OSError as err:
+            log.warning("cannot delete old journal segments: %s", one_line(err))
 
     async def _release(self, ckpt_id: str, epoch: int, fenced: WorkerPool) -> None:
         """Reopen admission and release every fence, whatever any one of them raises (a fence

@@ -4,7 +4,9 @@
 (`steps.jsonl`, as per-step differences) and, as Prometheus text, on the controller's
 `/metrics` endpoint (`RunMetrics.serve`). Names:
 
-- controller: `checkpoints`, `checkpoint_failures`, `fence_hold_s`, `release_errors`;
+- controller: `checkpoints`, `checkpoint_failures`, `fence_hold_s`, `release_errors`,
+  `worker_failures.<cause>`, `workers_replaced`, `worker_replacement_s`,
+  `worker_replacement_failures` (docs/failover.md);
 - environment: `restored_episodes`, `restored_calls`, `restored_prefix_tokens`,
   `restored_turn_tokens`, `tail_tokens`, `regenerated_tokens`, `effects.executed` and
   `effects.replayed` (episode effects run, and answered from a journal),
@@ -12,10 +14,14 @@
   (a replay that asked for other steps than its journal: the episode started over),
   `chunk_rows_swept`, `lease_expiries`, `restore_refused.<reason>` (an episode record that
   started over), `capture.<event>` (model-call capture: resolutions, prefix supply, capture
-  failures) and `lineage.resolve.<outcome>`;
+  failures), `lineage.resolve.<outcome>`, and for calls moved off a dead worker
+  `migrations.<cause>`, `migration.resumed`, `migration.from_scratch`,
+  `migration.journal_tokens`, `migration.tail_tokens`, `migration.journal_refused.<reason>`,
+  `migration_failed.<reason>`;
 - workers (summed; `*_max` as the maximum): `worker_resumes_accepted`,
   `worker_resumes_refused`, and `worker.<name>` for every worker tally (`cut.<disposition>`,
-  `cut_failure.<reason>`, `resume.<outcome>`, `terminal_rows`, ...).
+  `cut_failure.<reason>`, `resume.<outcome>`, `terminal_rows`, `journal.rows`,
+  `journal.tokens`, `journal.lag_p50_max`, `journal.lag_p99_max`, ...).
 
 In Prometheus a dotted name `family.rest` is the series `rollout_recovery_run_family` with the
 label `name="rest"`; an undotted one is `rollout_recovery_run_<name>`.

@@ -97,11 +97,13 @@ class CutService:
         max_calls: int = 4096,
         batch_rows: int = 256,
         batch_tokens: int = 1 << 20,
+        journal_log=None,
     ) -> None:
         self.capture, self.store = capture, store
         self.partition, self.terminal_partition = partition, terminal_partition
         self.timeout_s, self.max_calls = timeout_s, max_calls
         self.batch_rows, self.batch_tokens = batch_rows, batch_tokens
+        self.journal_log = journal_log  # a JournalLog: staged rows also go to storage
         self.metrics = WorkerMetrics()
         self.fence = Fence(on_release=self.metrics.fence_seconds)
         self._cut_lock = asyncio.Lock()
@@ -214,6 +216,8 @@ class CutService:
             except Exception as err:
                 out += [(p, r, f"staging_error: {type(err).__name__}") for p, r in batch]
                 continue
+            if self.journal_log is not None:
+                self._spawn(self._append_segment(table))
             for p, row in batch:
                 call = p.call
                 call.staged_tokens = row.cum_len
@@ -224,6 +228,21 @@ class CutService:
                 call.staged_at = time.monotonic()
                 out.append((p, row, None))
         return out
+
+    async def _append_segment(self, table) -> None:
+        """The staged rows' durable copy (journal_log.py), off the loop: decoding and the next
+        cut do not wait for storage."""
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(self.journal_log.append, table)
+        except Exception as err:
+            self.metrics.tally[f"journal_failure.segment_{type(err).__name__}"] += 1
+            return
+        self.metrics.count("journal.segments")
+        seconds = time.monotonic() - t0
+        self.metrics.tally["journal.segment_s_max"] = max(
+            self.metrics.tally["journal.segment_s_max"], seconds
+        )
 
     # ------------------------------------------------------------------ journal
 

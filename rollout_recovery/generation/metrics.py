@@ -59,6 +59,9 @@ class WorkerMetrics:
         self.journal_tokens = Counter(
             "rollout_recovery_journal_tokens", "Tokens made durable by the journal"
         )
+        self.journal_segments = Counter(
+            "rollout_recovery_journal_segments", "Journal segments written to checkpoint storage"
+        )
         self.journal_lag_tokens = Histogram(
             "rollout_recovery_journal_lag_tokens",
             "Tokens of an in-flight call decoded but not yet durable, sampled per journal pass",
@@ -103,6 +106,7 @@ class WorkerMetrics:
             "resume.decoded_tokens": self.resume_decoded,
             "journal.rows": self.journal_rows,
             "journal.tokens": self.journal_tokens,
+            "journal.segments": self.journal_segments,
         }
         series[name].inc(n)
         self.tally[name] += n

@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from rollout_recovery.config import WorkerConfig
+from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.generation import prefix_supply, vllm_compat
 from rollout_recovery.generation.capture import TokenCapture
 from rollout_recovery.generation.control import RequestGate, make_control_router
@@ -65,8 +66,11 @@ class CaptureWiring:
     journal: Journal
 
 
-def wire_capture(cfg: WorkerConfig, store, tokenizer: Any) -> CaptureWiring:
-    """Build the capture parts of a worker; `tokenizer` is the one its detokenizers use."""
+def wire_capture(
+    cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker"
+) -> CaptureWiring:
+    """Build the capture parts of a worker; `tokenizer` is the one its detokenizers use,
+    `writer` names its journal segments (docs/failover.md)."""
     tc = cfg.token_capture
     if store is None:
         raise RuntimeError("token_capture.enabled needs a StagingStore: pass store=")
@@ -90,6 +94,7 @@ def wire_capture(cfg: WorkerConfig, store, tokenizer: Any) -> CaptureWiring:
         terminal_partition=tc.terminal_partition,
         timeout_s=tc.control_timeout_s,
         max_calls=tc.max_inventory_calls,
+        journal_log=JournalLog(tc.journal_uri, writer) if tc.journal_uri else None,
     )
     resumer = Resumer(
         capture,
@@ -134,7 +139,9 @@ class GenerationWorker:
         self._engine = engine = await host.create_engine()
         wiring = None
         if self._cfg.token_capture.enabled:
-            wiring = wire_capture(self._cfg, self._store, vllm_compat.output_tokenizer(engine))
+            writer = self._actor_name or f"worker-{self._index}-{os.getpid()}"
+            tokenizer = vllm_compat.output_tokenizer(engine)
+            wiring = wire_capture(self._cfg, self._store, tokenizer, writer)
             self._service, self._journal = wiring.service, wiring.journal
             wiring.journal.start()
         app = await host.create_app([wiring.router] if wiring else [])

@@ -36,10 +36,11 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 SMALL = ["grpo.prompts_per_step=1"]  # one GRPO group of 4 per step (a config override)
 NOTES = ["--env", "notes", "--cuts", "2"]
 PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2"]
-# Three steps and 96 tokens: a kill may land in step 1 or 2, so the check does not depend on
-# one short step lasting past a snapshot with two partly done episodes (the suite runs three
-# checks at once, which shifts every step's timing).
-TURN = [*NOTES, "--level", "turn", "--max-tokens", "96", "--steps", "3"]
+# Three steps of 192-token turns: a kill may land in step 1 or 2, and each step's generation
+# outlasts a snapshot on the S3 server even with the four checks sharing two cores (a snapshot
+# there took 4-7 s; with 96-token turns a step's generation ended after its first snapshot,
+# which held no committed turn, so the kill never came).
+TURN = [*NOTES, "--level", "turn", "--max-tokens", "192", "--steps", "3"]
 GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
            "--cuts", "2"]  # fmt: skip
 FAILOVER_ARGS = ["--steps", "2", "--prompts", "2"]  # two groups of 4 calls per step
