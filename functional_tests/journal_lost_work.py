@@ -9,7 +9,7 @@ such call resumed from exactly the journaled prefix. Work lost is what the engin
 before the kill and decoded again after the restore (docs/evidence.md).
 
     .venv/bin/python functional_tests/journal_lost_work.py --out DIR [--journal-tokens 16]
-        [--interval 3] [--seed 7] [--kills 2] [recovery_check options ...]
+        [--interval 1] [--seed 7] [--kills 2] [--max-tokens 768] [recovery_check options ...]
 
 Writes DIR/lost_work.json and prints the table. Exit 1 when either check fails.
 """
@@ -29,12 +29,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--journal-tokens", type=int, default=16, help="K")
-    ap.add_argument("--interval", type=float, default=3.0, help="snapshot interval (s)")
+    ap.add_argument("--interval", type=float, default=1.0, help="snapshot interval (s)")
     ap.add_argument("--seed", type=int, default=7, help="kill delays (the same for both)")
     ap.add_argument("--kills", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=768, help="per call: long enough that "
+                    "a step spans several snapshots")  # fmt: skip
     args, rest = ap.parse_known_args()
     common = ["--level", "prefix", "--interval", str(args.interval), "--seed", str(args.seed),
-              "--kills", str(args.kills), *rest]  # fmt: skip
+              "--kills", str(args.kills), "--max-tokens", str(args.max_tokens), *rest]  # fmt: skip
     runs = {
         "off": [],
         "on": [f"token_capture.journal_interval_tokens={args.journal_tokens}"],

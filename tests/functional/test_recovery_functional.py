@@ -35,7 +35,10 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 
 SMALL = ["grpo.prompts_per_step=1"]  # one GRPO group of 4 per step (a config override)
 NOTES = ["--env", "notes", "--cuts", "2"]
-PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2"]
+# With the journal on (a row every 4 tokens): each restore takes a call from the newer of its
+# snapshot cut and its journal, and the engine evidence is checked against what it took.
+PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2",
+          "token_capture.journal_interval_tokens=4"]  # fmt: skip
 # Three steps of 192-token turns: a kill may land in step 1 or 2, and each step's generation
 # outlasts a snapshot on the S3 server even with the four checks sharing two cores (a snapshot
 # there took 4-7 s; with 96-token turns a step's generation ended after its first snapshot,
@@ -111,6 +114,10 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
     report = _report(prefix_run)
     assert report["violations"] == [] and report["env"] == "notes"
     assert [k["step"] for k in report["kills"]] == [0, 1]
+    # Calls the journal had taken past their snapshot cut resumed from the journal's prefix
+    # (the evidence check above held them to it).
+    taken = [c for k in report["kills"] for c in k.get("journal", {}).values()]
+    assert taken and all(c["journal_tokens"] > c["snapshot_tokens"] for c in taken)
     # Every note-store effect of every episode logged once, the stores equal the reference's.
     assert report["effects"]["episodes"] == 8 and report["effects"]["effects"] == 16
     assert report["restored_calls"] >= 4 and report["restored_prefix_tokens"] > 0
