@@ -76,9 +76,8 @@ class RolloutRecovery:
         journal_on = tc.journal_interval_tokens is not None or tc.journal_interval_s is not None
         if journal_on and tc.journal_storage and cfg.checkpointing.save_data_plane:
             cfg = cfg.model_copy(deep=True)  # the workers append segments there
-            cfg.token_capture.journal_uri = RunStorage(
-                cfg.checkpointing.checkpoint_dir
-            ).child_uri(JOURNAL_DIR)
+            run_storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+            cfg.token_capture.journal_uri = run_storage.child_uri(JOURNAL_DIR)
         self.cfg, self.ray_address = cfg, ray_address
         self.owner = owner  # the claim on the snapshot root; claimed in `start` when None
         self.model_dir = resolve_model_path(cfg.policy.model_path)

@@ -13,6 +13,22 @@ import numpy as np
 MET, MISSED, NOT_MEASURED, SKIPPED = "met", "missed", "not measured", "skipped"
 
 
+def identified_chat(rollout: str, max_tokens: int) -> dict:
+    """An identified chat completion (its own rollout id) that decodes exactly `max_tokens`
+    tokens: what the live-worker benchmarks send."""
+    from rollout_recovery.protocol import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT
+
+    return {
+        "model": "policy",
+        "messages": [{"role": "user", "content": f"Count the letters in {rollout}."}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "vllm_xargs": {XARG_ROLLOUT: rollout, XARG_CALL: "c0", XARG_ATTEMPT: 0},
+    }
+
+
 def write_result(path: str, result: dict) -> None:
     """Write a benchmark's JSON result (creating the folder) and say where."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 # Before torch or vLLM are imported (engine_setup itself imports neither).
-from bench_common import percentile, write_result  # noqa: E402
+from bench_common import identified_chat, percentile, write_result  # noqa: E402
 
 from rollout_recovery.generation.engine_setup import CPU_ENGINE_ENV  # noqa: E402
 
@@ -376,19 +376,6 @@ async def bench_decode(args) -> dict:
 # ---------------------------------------------------------------------- live worker
 
 
-def _live_body(rollout: str, max_tokens: int) -> dict:
-    """An identified chat completion that decodes exactly `max_tokens` tokens."""
-    return {
-        "model": "policy",
-        "messages": [{"role": "user", "content": f"Count the letters in {rollout}."}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": True,
-        "vllm_xargs": {XARG_ROLLOUT: rollout, XARG_CALL: "c0", XARG_ATTEMPT: 0},
-    }
-
-
 async def _drive_live(worker, args) -> dict:
     """`live_calls` calls decode over HTTP while a cut of all of them starts every
     `live_interval` s (start to start; one that overruns starts the next at once).
@@ -408,7 +395,7 @@ async def _drive_live(worker, args) -> dict:
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
 
         async def one(rollout: str) -> int:
-            body = _live_body(rollout, args.live_tokens)
+            body = identified_chat(rollout, args.live_tokens)
             resp = await client.post(f"{url}/v1/chat/completions", json=body)
             resp.raise_for_status()
             return resp.json()["usage"]["completion_tokens"]

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 # Before torch or vLLM are imported (engine_setup itself imports neither).
-from bench_common import percentile, write_result  # noqa: E402
+from bench_common import identified_chat, percentile, write_result  # noqa: E402
 
 from rollout_recovery.generation.engine_setup import CPU_ENGINE_ENV  # noqa: E402
 
@@ -52,8 +52,6 @@ import gc  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from rollout_recovery.protocol import XARG_ATTEMPT, XARG_CALL, XARG_ROLLOUT  # noqa: E402
-
 OFF = "off"
 Mode = tuple[int | None, bool]  # (K or None for off, durable copy on)
 
@@ -61,19 +59,6 @@ Mode = tuple[int | None, bool]  # (K or None for off, durable copy on)
 def mode_name(mode: Mode) -> str:
     k, disk = mode
     return OFF if k is None else f"K={k}" + ("+disk" if disk else "")
-
-
-def _body(rollout: str, max_tokens: int) -> dict:
-    """An identified chat completion that decodes exactly `max_tokens` tokens."""
-    return {
-        "model": "policy",
-        "messages": [{"role": "user", "content": f"Count the letters in {rollout}."}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": True,
-        "vllm_xargs": {XARG_ROLLOUT: rollout, XARG_CALL: "c0", XARG_ATTEMPT: 0},
-    }
 
 
 async def _decode(url: str, tag: str, calls: int, tokens: int) -> tuple[int, float]:
@@ -85,7 +70,9 @@ async def _decode(url: str, tag: str, calls: int, tokens: int) -> tuple[int, flo
     async with httpx.AsyncClient(limits=limits, timeout=600) as client:
 
         async def one(rollout: str) -> int:
-            resp = await client.post(f"{url}/v1/chat/completions", json=_body(rollout, tokens))
+            resp = await client.post(
+                f"{url}/v1/chat/completions", json=identified_chat(rollout, tokens)
+            )
             resp.raise_for_status()
             return resp.json()["usage"]["completion_tokens"]
 

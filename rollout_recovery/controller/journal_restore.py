@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
-from rollout_recovery.generation.resume import ResumeRefused, validate_chunks
+from rollout_recovery.generation.resume import ResumeRefused, chain_continuation
 from rollout_recovery.protocol import CallIdentity, Continuation, EpisodeRecord
 
 
@@ -101,18 +101,5 @@ def _extend(
         seq += 1
     if len(chain) == len(base):
         return [], None
-    last = chain[-1]
-    prompt = chain[0].prompt_token_ids
-    nxt = ident._replace(attempt=ident.attempt + 1)
-    validate_chunks(chain, nxt, [r.key for r in chain],
-                    [] if prompt is None else prompt.tolist(), last.cum_len,
-                    last.digest.hex())  # fmt: skip
-    extended = Continuation(
-        call_id=ident.model_call_id,
-        attempt=ident.attempt,
-        keys=[r.key for r in chain],
-        tokens=last.cum_len,
-        digest=last.digest.hex(),
-        cut_kind="terminal_completion" if last.finish_reason else "active_prefix",
-    )
+    extended = chain_continuation(chain, ident)
     return chain[len(base) :], extended

@@ -12,7 +12,7 @@ validates the continuation again before it splices anything in.
 from __future__ import annotations
 
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
-from rollout_recovery.generation.resume import ResumeRefused, validate_chunks
+from rollout_recovery.generation.resume import ResumeRefused, chain_continuation
 from rollout_recovery.protocol import CallIdentity, Continuation
 
 
@@ -27,22 +27,9 @@ async def journal_continuation(
         table, missing = await store.aget(partition, keys)
         rows = sorted(table_to_chunk_rows(table), key=lambda r: r.chunk_seq) if table else []
         try:
-            if missing or not rows:
+            if missing:
                 raise ResumeRefused("missing_chunk", f"{len(missing)} rows vanished")
-            nxt = lost._replace(attempt=lost.attempt + 1)
-            prompt = rows[0].prompt_token_ids
-            last = rows[-1]
-            validate_chunks(rows, nxt, [r.key for r in rows],
-                            [] if prompt is None else prompt.tolist(),
-                            last.cum_len, last.digest.hex())  # fmt: skip
-            journal = Continuation(
-                call_id=lost.model_call_id,
-                attempt=lost.attempt,
-                keys=[r.key for r in rows],
-                tokens=last.cum_len,
-                digest=last.digest.hex(),
-                cut_kind="terminal_completion" if last.finish_reason else "active_prefix",
-            )
+            journal = chain_continuation(rows, lost)
         except ResumeRefused as err:
             refused = err.reason
     older = resumed_from if resumed_from is not None and resumed_from.cut else None

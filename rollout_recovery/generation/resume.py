@@ -47,6 +47,7 @@ from rollout_recovery.protocol import (
     RESUME_KEYS_ARG,
     RESUME_TOKENS_ARG,
     CallIdentity,
+    Continuation,
     ResumeRequest,
     identity_from_extra_args,
     resume_request,
@@ -133,6 +134,25 @@ def validate_chunks(
         logprobs=None if any(lp is None for lp in lps) else np.concatenate(lps),
         weight_version=versions[-1],
         finish=finish,
+    )
+
+
+def chain_continuation(rows, attempt: CallIdentity) -> Continuation:
+    """The continuation of call attempt `attempt`'s staged chain `rows` (chunk 0 first) for
+    its next attempt, after every check a resume makes; ResumeRefused when one fails."""
+    if not rows:
+        raise ResumeRefused("missing_chunk", "no staged rows")
+    last, prompt = rows[-1], rows[0].prompt_token_ids
+    validate_chunks(rows, attempt._replace(attempt=attempt.attempt + 1), [r.key for r in rows],
+                    [] if prompt is None else prompt.tolist(), last.cum_len,
+                    last.digest.hex())  # fmt: skip
+    return Continuation(
+        call_id=attempt.model_call_id,
+        attempt=attempt.attempt,
+        keys=[r.key for r in rows],
+        tokens=last.cum_len,
+        digest=last.digest.hex(),
+        cut_kind="terminal_completion" if last.finish_reason else "active_prefix",
     )
 
 

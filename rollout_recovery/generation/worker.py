@@ -66,9 +66,7 @@ class CaptureWiring:
     journal: Journal
 
 
-def wire_capture(
-    cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker"
-) -> CaptureWiring:
+def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker") -> CaptureWiring:
     """Build the capture parts of a worker; `tokenizer` is the one its detokenizers use,
     `writer` names its journal segments (docs/failover.md)."""
     tc = cfg.token_capture
