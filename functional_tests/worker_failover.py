@@ -121,8 +121,14 @@ def kill_run(args, kind: str) -> dict:
                 for pid in target["engine_pids"]:
                     os.kill(pid, signal.SIGSTOP)
                 time.sleep(args.settle)  # journal passes already started finish
-                before = in_flight(rc.read_engine_records([target], args.token))
-                break
+                frozen = in_flight(rc.read_engine_records([target], args.token))
+                if len(frozen) >= args.min_calls:
+                    before = frozen
+                    break
+                # Outputs the engine had already sent finished the calls meanwhile: thaw it
+                # and wait for the next chance (the next step's calls).
+                for pid in target["engine_pids"]:
+                    os.kill(pid, signal.SIGCONT)
         time.sleep(0.05)
     killed_at = time.time()
     if kind == "engine":

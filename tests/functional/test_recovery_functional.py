@@ -46,7 +46,7 @@ PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "-
 TURN = [*NOTES, "--level", "turn", "--max-tokens", "192", "--steps", "3"]
 GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
            "--cuts", "2"]  # fmt: skip
-FAILOVER_ARGS = ["--steps", "2", "--prompts", "2"]  # two groups of 4 calls per step
+FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]  # two groups of 4 calls a step; 3 steps: 2 chances
 RUNS = {
     # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
     # trainer checkpoint).
@@ -135,8 +135,9 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
 def test_the_check_fails_when_workers_silently_ignore_continuations(prefix_run, tmp_path):
     """The same killed run restored with resume disabled on the workers: every output still
     matches the reference (the sampler is deterministic), only the engine records tell."""
-    proc = _check("--out", str(tmp_path), *PREFIX, "--from-kill", str(prefix_run), "--fault",
-                  "resume_disabled")  # fmt: skip
+    # Options first: PREFIX ends with a config override (a positional argument).
+    proc = _check("--out", str(tmp_path), "--from-kill", str(prefix_run), "--fault",
+                  "resume_disabled", *PREFIX)  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = _report(tmp_path)
     assert all(s["same_batch"] and s["loss_abs_diff"] == 0 for s in report["steps"])
@@ -174,7 +175,8 @@ def test_the_check_fails_on_one_perturbed_generation_logprob(prefix_run, tmp_pat
 def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(turn_run):
     report = _report(turn_run)
     assert report["violations"] == [] and report["level"] == "turn"
-    assert report["env"] == "notes" and report["effects"]["effects"] == 16
+    # 4 episodes a step, 2 note effects each, 3 steps.
+    assert report["env"] == "notes" and report["effects"]["effects"] == 24
     assert report["storage"] == "s3" and not (turn_run / "recovered").exists()
     assert report["restored_episodes"] >= 2 and report["restored_turn_tokens"] > 0
     assert all(s["same_batch"] and s["same_reward"] for s in report["steps"])
