@@ -46,7 +46,8 @@ PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "-
 TURN = [*NOTES, "--level", "turn", "--max-tokens", "192", "--steps", "3"]
 GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
            "--cuts", "2"]  # fmt: skip
-FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]  # two groups of 4 calls a step; 3 steps: 2 chances
+# Two groups of 4 calls a step; three steps, so a kill that missed its chance has another.
+FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]
 RUNS = {
     # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
     # trainer checkpoint).
