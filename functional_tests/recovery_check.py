@@ -163,6 +163,18 @@ def recoverable(args, snapshot_uri: str) -> tuple[int, dict]:
     return n, ledger
 
 
+class NoKillChance(RuntimeError):
+    """A phase finished before a published snapshot held enough recoverable items."""
+
+
+def retry_dir(run_dir: str) -> str:
+    """A fresh location beside `run_dir` (a local path or an object-store URI)."""
+    if "://" in run_dir:
+        base, _, query = run_dir.partition("?")
+        return f"{base.rstrip('/')}-retry?{query}" if query else f"{base.rstrip('/')}-retry"
+    return str(Path(run_dir).with_name(Path(run_dir).name + "-retry"))
+
+
 def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     """Run (fresh for k == 1, else --restore) until a published snapshot of trainer step >=
     min_step holds --cuts recoverable items, then kill at a random moment after it: freeze
@@ -195,8 +207,8 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
 
     while chosen is None:
         if proc.poll() is not None:
-            sys.exit(f"FAIL: phase {k} finished before {args.cuts} recoverable items of step "
-                     f">= {min_step} were published")  # fmt: skip
+            raise NoKillChance(f"phase {k} finished before {args.cuts} recoverable items of "
+                               f"step >= {min_step} were published")  # fmt: skip
         if time.monotonic() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             sys.exit(f"FAIL: phase {k}: no snapshot with enough recoverable items in time")
@@ -548,12 +560,13 @@ def main() -> int:
         args.seed = secrets.randbelow(2**31)
     args.rng = random.Random(args.seed)
     args.token = secrets.token_urlsafe(16)
+    args.phase1_retries = 0
     if args.verify_only:
         return verify_only(args)
     if kill_steps(args)[-1] >= args.steps:
         sys.exit(f"FAIL: {args.kills} kills need --steps > {kill_steps(args)[-1]}")
     args.out.mkdir(parents=True, exist_ok=True)
-    for d in ("reference", "recovered", "saved", "scratch"):
+    for d in ("reference", "recovered", "recovered-retry", "saved", "scratch"):
         subprocess.run(["rm", "-rf", str(args.out / d)], check=True)
     if args.from_kill:
         return from_kill(args)
@@ -602,7 +615,18 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
     args.reference_s = time.monotonic() - t0
     kills = []
     for k, min_step in enumerate(kill_steps(args), start=1):
-        kills.append(kill_phase(args, rec_dir, k, min_step))
+        try:
+            kills.append(kill_phase(args, rec_dir, k, min_step))
+        except NoKillChance as err:
+            # A timing precondition of the check, not a recovery failure: the first phase ran
+            # through before a snapshot qualified (slow snapshots on a loaded machine). Once,
+            # a fresh run in a new location tries again; parity and evidence are unchanged.
+            if k > 1 or args.phase1_retries:
+                sys.exit(f"FAIL: {err}")
+            print(f"{err}; running phase 1 again in a fresh location", flush=True)
+            args.phase1_retries += 1
+            rec_dir = retry_dir(rec_dir)
+            kills.append(kill_phase(args, rec_dir, k, min_step))
     # Kept for --from-kill: the reference and the state the last kill left, on local disk.
     for run_dir, name in ((ref_dir, "reference"), (rec_dir, "killed")):
         copy_run(run_dir, str(args.out / "saved" / name))
@@ -726,6 +750,7 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         "reference_dir": ref_dir,
         "recovered_dir": rec_dir,
         "reference_s": args.reference_s,
+        "phase1_retries": args.phase1_retries,
         "kills": [
             {k: v for k, v in killed.items() if k not in ("ledger", "engine_before")}
             for killed in kills
