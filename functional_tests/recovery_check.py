@@ -269,11 +269,16 @@ def current_workers(run_dir: str, tree: set[int]) -> list[dict]:
 
 
 def read_engine_records(workers: list[dict], token: str) -> list[dict]:
-    """Every call attempt each worker's engine has a record of, over its control API."""
+    """Every call attempt each worker's engine has a record of, over its control API: the
+    latest state of each (paging on while calls still change would list one attempt many
+    times, and chase a live worker until its calls end)."""
     import httpx
+
+    from rollout_recovery.generation.control import MAX_ATTEMPTS_PAGE
 
     out = []
     for w in workers:
+        latest: dict[tuple, dict] = {}
         since = 0
         while True:
             resp = httpx.get(f"{w['url']}/control/v1/call-attempts", params={"since": since},
@@ -282,10 +287,14 @@ def read_engine_records(workers: list[dict], token: str) -> list[dict]:
             page = resp.json()
             if page["dropped"]:
                 sys.exit(f"FAIL: worker {w['index']} dropped {page['dropped']} attempt records")
-            out += [r | {"worker": w["index"]} for r in page["attempts"]]
-            if not page["attempts"]:
+            for r in page["attempts"]:
+                key = (r["rollout_id"], r["model_call_id"], r["attempt"])
+                if key not in latest or r["seq"] > latest[key]["seq"]:
+                    latest[key] = r | {"worker": w["index"]}
+            if len(page["attempts"]) < MAX_ATTEMPTS_PAGE:  # the last page of this read
                 break
             since = page["next"]
+        out += list(latest.values())
     return out
 
 

@@ -5,8 +5,10 @@ Runs, on one Ray instance this process starts (the runs join it with --ray-addre
 1. reference: a GRPO run with two workers, uninterrupted;
 2. one run per `--kill`: the same job; once the target worker holds at least --min-calls calls
    in flight, each with more than twice the journal interval decoded, its engine is frozen
-   (SIGSTOP: no token is decoded from here on), its engine records are read (what each call
-   attempt decoded), and then
+   (SIGSTOP: no token is decoded from here on), its engine records are read once they stop
+   changing (what each call attempt decoded: the engine core runs ahead of the worker's
+   output processing, whose backlog drains first; when that finished the calls, the engine is
+   thawed and the next step tried), and then
    - `engine`: two workers; worker 1's engine core process is SIGKILLed during step 1 (the
      actor lives on, its engine is dead): its calls move to worker 0 at once;
    - `actor`: one worker; during step 2 (after a weight push) the worker actor is `ray.kill`ed
@@ -84,6 +86,23 @@ def workers_file(run_dir: Path, started_after: float) -> list[dict] | None:
         return None
 
 
+def drained(target: dict, args) -> list[dict]:
+    """The frozen engine's worker records once they stop changing: outputs the engine core
+    had already sent are processed (it runs ahead of the worker's output processing), and
+    journal passes they started are done."""
+    last, stable_since = None, time.monotonic()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        records = rc.read_engine_records([target], args.token)
+        now = [(r["rollout_id"], r["decoded_tokens"], r["finished"]) for r in records]
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        elif time.monotonic() - stable_since >= args.settle:
+            return records
+        time.sleep(0.05)
+    return records
+
+
 def in_flight(records: list[dict]) -> list[dict]:
     return [r for r in records if not r["finished"]]
 
@@ -120,13 +139,12 @@ def kill_run(args, kind: str) -> dict:
             if len(busy) >= args.min_calls:
                 for pid in target["engine_pids"]:
                     os.kill(pid, signal.SIGSTOP)
-                time.sleep(args.settle)  # journal passes already started finish
-                frozen = in_flight(rc.read_engine_records([target], args.token))
+                frozen = in_flight(drained(target, args))
                 if len(frozen) >= args.min_calls:
                     before = frozen
                     break
-                # Outputs the engine had already sent finished the calls meanwhile: thaw it
-                # and wait for the next chance (the next step's calls).
+                # The engine core had run ahead of the worker's output processing: the calls
+                # finished from outputs already sent. Thaw it and wait for the next chance.
                 for pid in target["engine_pids"]:
                     os.kill(pid, signal.SIGCONT)
         time.sleep(0.05)
@@ -237,7 +255,9 @@ def main() -> int:
     ap.add_argument("--kill", choices=["engine", "actor", "both"], default="both")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=4, help="GRPO groups of 4 per step")
-    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--max-tokens", type=int, default=320,
+                    help="per call: long enough to outlast the engine core running ahead of "
+                    "the worker's output processing")  # fmt: skip
     ap.add_argument("--journal-tokens", type=int, default=16, help="K")
     ap.add_argument("--min-calls", type=int, default=4)
     ap.add_argument("--settle", type=float, default=0.5)
