@@ -35,10 +35,11 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 
 SMALL = ["grpo.prompts_per_step=1"]  # one GRPO group of 4 per step (a config override)
 NOTES = ["--env", "notes", "--cuts", "2"]
-# With the journal on (a row every 4 tokens): each restore takes a call from the newer of its
-# snapshot cut and its journal, and the engine evidence is checked against what it took.
+# With the journal on: each restore takes a call from the newer of its snapshot cut and its
+# journal, and the engine evidence is checked against what it took. A row every 2 tokens, so
+# even a kill soon after its snapshot finds journal rows past the cut.
 PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2",
-          "token_capture.journal_interval_tokens=4"]  # fmt: skip
+          "token_capture.journal_interval_tokens=2"]  # fmt: skip
 # Three steps of 192-token turns: a kill may land in step 1 or 2, and each step's generation
 # outlasts a snapshot on the S3 server even with the four checks sharing two cores (a snapshot
 # there took 4-7 s; with 96-token turns a step's generation ended after its first snapshot,
