@@ -142,7 +142,6 @@ class WorkerPool:
         self.spec = spec
         self.lost: dict[int, str] = {}
         self.weights: tuple[str, int] | None = None  # the last pushed (directory, version)
-        self.replacements = 0
         self._lock = threading.Lock()  # weights and swaps: the caller's thread and the loop's
 
     def __getstate__(self) -> dict[str, Any]:
@@ -252,7 +251,6 @@ class WorkerPool:
                 return False
             self.workers[index] = handle
             self.lost.pop(index, None)
-            self.replacements += 1
             return True
 
     async def _each(self, method: str, *args: Any) -> list[tuple[int, Any]]:
