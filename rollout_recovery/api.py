@@ -18,6 +18,9 @@ Data flow of a step (each arrow a call across processes):
     restore -> controller.selection (choose, verify, check the model) -> StagingStore.restore
         -> EnvironmentClient.end_restore(ledger.episodes)
 
+Where the store shards, the environment actors and the workers run is `placement`
+(placement.py): reserved before they start, given back by `close` once they are gone.
+
 Every snapshot's ledger records the model identity, so a restore can refuse another model.
 Snapshots are published as the controller's owner epoch (data_plane/ownership.py): once a newer
 controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and the run stops.
@@ -45,13 +48,14 @@ from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
-from rollout_recovery.errors import RestoreError
+from rollout_recovery.errors import RecoveryError, RestoreError
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.model_identity import (
     base_model_identity,
     directory_weights_digest,
     resolve_model_path,
 )
+from rollout_recovery.placement import JobPlacement, place_job
 from rollout_recovery.runtime import ActorProxy, LoopThread, init_ray
 from rollout_recovery.storage import RunStorage
 
@@ -94,19 +98,33 @@ class RolloutRecovery:
         self.gateway_token: str | None = None
         self.supervisor: WorkerSupervisor | None = None  # failover.enabled
         self._supervision = None
+        self.placement: JobPlacement | None = None  # where the actors run (placement.py)
 
     def start(self, standalone_gateway: bool = False) -> RolloutRecovery:
         """Start the store, workers and environment (and, with `gateway.enabled`, the gateway
         the episode functions use; `standalone_gateway`: `serve_rollouts` starts it later)."""
+        actors = self.cfg.placement.environment.actors
+        if standalone_gateway and actors > 1:  # refused before anything starts
+            raise RecoveryError(
+                f"the rollout gateway serves the episodes of one environment actor, and "
+                f"placement.environment.actors={actors}; set placement.environment.actors=1"
+            )
         if self.owner is None:
             self.owner = StagingStore.claim(self.storage.child_uri(DATA_PLANE))
         init_ray(self.ray_address, log_to_driver=False)
-        self.store = StagingStore.create(num_shards=1)
-        self.workers = WorkerPool.start(self.cfg, store=self.store)
+        place = self.cfg.placement
+        self.placement = placed = place_job(self.cfg)
+        self.store = StagingStore.create(num_shards=place.store.shards,
+                                         num_cpus=place.store.num_cpus,
+                                         shard_options=placed.store.options)  # fmt: skip
+        self.workers = WorkerPool.start(self.cfg, store=self.store,
+                                        slot_options=placed.workers.options)  # fmt: skip
         env_cfg, ckpt_cfg = self.cfg.environment_config(), self.cfg.checkpoint_config()
         scratch = self.storage.local_path("scratch")
         self.env = EnvironmentClient.start(env_cfg, self.workers, self.store,
-                                           str(scratch) if scratch else None)  # fmt: skip
+                                           str(scratch) if scratch else None,
+                                           count=place.environment.actors,
+                                           actor_options=placed.environment.options)  # fmt: skip
         self.coordinator = CheckpointCoordinator(ckpt_cfg, self.state, self.store, self.workers,
                                                  self.env, self.storage, self.metrics,
                                                  self.owner)  # fmt: skip
@@ -141,7 +159,9 @@ class RolloutRecovery:
         self.workers.stop()
         if self.store is not None:
             self.store.shutdown()
-        self.store, self.env = None, None
+        if self.placement is not None:  # after their actors are gone
+            self.placement.remove()
+        self.store, self.env, self.placement = None, None, None
 
     def submit_groups(
         self, groups: list[tuple[str, dict]], seeds: Callable[[int, int], int]

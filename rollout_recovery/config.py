@@ -204,7 +204,8 @@ class VllmConfig(_Block):
 
     host: str = "127.0.0.1"
     """Address each worker's HTTP server binds and advertises. The environment connects to it, so on
-    a multi-node cluster set an address the environment's node can reach."""
+    a multi-node cluster set `0.0.0.0`: each worker binds every interface and advertises its own
+    node's IP (as Ray knows it), which every node can reach."""
 
     startup_timeout_s: Float = Field(600.0, gt=0.0)
     """Seconds to wait for every worker to start. Loading the model, starting the server and warming
@@ -368,6 +369,12 @@ class RolloutCheckpointingConfig(_Block):
     """Which snapshot `train --restore` takes. `latest` tries every published snapshot newest
     first; `trainer_checkpoint` considers only those taken right after a trainer checkpoint."""
 
+    full_snapshot_every: Int = Field(8, ge=1)
+    """Every N-th snapshot is written in full; the ones between write only the rows added or
+    changed since the previous published snapshot and reference its unchanged files (with
+    their checksums) through the manifest. 1: every snapshot is full. A restore reads at most
+    N snapshots' files."""
+
 
 class CheckpointingConfig(_Block):
     """Where a run's checkpoints live and whether the data plane is snapshotted. The split:
@@ -506,6 +513,150 @@ class FailoverConfig(_Block):
     waits for the replacement); past it the episode fails with `no_live_worker`."""
 
 
+# A Ray node id: 28 bytes in hex (`ray list nodes`, ray.get_runtime_context().get_node_id()).
+NODE_ID_PATTERN = r"[0-9a-f]{56}"
+
+
+class _PlacementBlock(_Block):
+    """Where Ray starts one kind of actor: the strategy shared by every block of `placement`."""
+
+    strategy: Literal["default", "spread", "placement_group", "node_affinity"] = "default"
+    """How Ray places these actors. `default`: wherever their resources fit (Ray prefers the node
+    that asks, so on one machine everything runs there). `spread`: over the nodes as evenly as
+    Ray can (scheduling_strategy SPREAD). `placement_group`: one Ray placement group with a bundle
+    per actor, reserved all at once by `placement_group_strategy` before any actor starts; actor
+    i runs in bundle i (a replacement worker too). `node_affinity`: actor i runs on node
+    `node_ids[i % len(node_ids)]`. Custom `resources` (`{node_a: 1}` on one node) pin actors
+    to nodes under any strategy."""
+
+    placement_group_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "SPREAD"
+    """How the placement group's bundles go over the nodes (`strategy=placement_group` only).
+    PACK: as few nodes as possible; SPREAD: as many as possible; STRICT_PACK: all on one node
+    or not at all; STRICT_SPREAD: every bundle on its own node or not at all (it needs as many
+    nodes as actors). A group the cluster cannot hold fails the start after
+    `placement.ready_timeout_s`, naming what the cluster lacks."""
+
+    node_ids: list[str] = Field(default_factory=list)
+    """Ray node ids (56 hex digits, as `ray list nodes` prints them) for `strategy=node_affinity`:
+    actor i runs on `node_ids[i % len(node_ids)]`. A node's id changes whenever it restarts, so
+    on a cluster whose nodes come and go (KubeRay) prefer custom `resources`."""
+
+    soft: bool = False
+    """With `strategy=node_affinity`: let an actor run on another node when its node is gone or
+    can never fit it. False: the actor fails to start instead (and waits while its node is only
+    busy), so it never runs where it was not asked to."""
+
+    @field_validator("node_ids")
+    @classmethod
+    def _node_ids_are_hex(cls, value: list[str]) -> list[str]:
+        for node in value:
+            if not isinstance(node, str) or not re.fullmatch(NODE_ID_PATTERN, node):
+                raise ValueError(
+                    f"{node!r} is not a Ray node id (56 hex digits); copy the ids from "
+                    "`ray list nodes` or ray.get_runtime_context().get_node_id()"
+                )
+        return value
+
+
+class _ActorPlacementBlock(_PlacementBlock):
+    """A placed kind of actor whose resources this block sets (store shards, environments)."""
+
+    num_cpus: Float = Field(0.0, ge=0.0)
+    """Ray CPUs reserved per actor. 0 lets the actors share cores with the others (they mostly
+    wait on I/O); a placement group needs something in each bundle, this or `resources`."""
+
+    resources: dict[str, Float] = Field(default_factory=dict)
+    """Extra Ray resources reserved per actor, name to amount. A custom resource a node was started
+    with (`ray start --resources='{"node_a": 1}'`) pins these actors to that node, e.g.
+    `{node_a: 0.01}`."""
+
+    @field_validator("resources")
+    @classmethod
+    def _no_cpu_in_resources(cls, value: dict[str, float]) -> dict[str, float]:
+        taken = sorted({"CPU", "GPU", "memory", "object_store_memory"} & set(value))
+        if taken:
+            raise ValueError(
+                f"{', '.join(taken)} cannot be a custom resource; set num_cpus for CPUs and "
+                "name only custom resources here"
+            )
+        return value
+
+
+class StorePlacementConfig(_ActorPlacementBlock):
+    """The data plane's StoreShard actors: how many, and where they run."""
+
+    shards: Int = Field(1, ge=1)
+    """StoreShard actors the data plane's rows are spread over by key hash. More shards spread
+    the rows' memory and each snapshot's writes over more processes (and nodes, with a
+    spreading strategy). A snapshot restores into any number of shards."""
+
+
+class EnvironmentPlacementConfig(_ActorPlacementBlock):
+    """The RolloutEnvironment actors: how many, and where they run. Each episode belongs to
+    one of them, chosen by a hash of its rollout id (docs/scale.md)."""
+
+    actors: Int = Field(1, ge=1)
+    """RolloutEnvironment actors that run the episodes. Episode `<group>-g<i>` runs on actor
+    crc32(rollout id) % actors, which runs its episode functions, checkpoints its episodes and
+    cleans its own staged rows. More actors spread the episode functions' CPU work (tools,
+    rewards) over processes and nodes; the gateway needs exactly 1."""
+
+
+class WorkerPlacementConfig(_PlacementBlock):
+    """Where the GenerationWorker actors run. Their number is `vllm_cfg.num_workers` and their
+    resources `vllm_cfg.worker_num_cpus`, `vllm_cfg.device` and `vllm_cfg.worker_resources`; a
+    replacement for worker i is placed like worker i (its bundle, its node)."""
+
+
+class PlacementConfig(_Block):
+    """Where Ray places the job's actors (docs/scale.md): the data-plane shards, the
+    environment actors and the generation workers. The defaults put everything wherever it
+    fits, which on one machine is that machine; the same job runs on a cluster by changing
+    only this block."""
+
+    store: StorePlacementConfig = StorePlacementConfig()
+    """The StoreShard actors of the data plane."""
+
+    environment: EnvironmentPlacementConfig = EnvironmentPlacementConfig()
+    """The RolloutEnvironment actors; episodes are spread over them by rollout id."""
+
+    workers: WorkerPlacementConfig = WorkerPlacementConfig()
+    """The GenerationWorker actors (their number and resources come from `vllm_cfg`)."""
+
+    ready_timeout_s: Float = Field(120.0, gt=0.0)
+    """Seconds to wait for a placement group to be reserved (`strategy=placement_group`). On an
+    autoscaling cluster it covers bringing up the nodes; past it the start fails with one line
+    naming the block and what the cluster has free."""
+
+    @model_validator(mode="after")
+    def _strategy_settings_agree(self) -> PlacementConfig:
+        for name in ("store", "environment", "workers"):
+            block: _PlacementBlock = getattr(self, name)
+            key = f"placement.{name}"
+            if block.strategy == "node_affinity" and not block.node_ids:
+                raise ConfigError(
+                    f"{key}.strategy=node_affinity needs {key}.node_ids (Ray node ids, from "
+                    f"`ray list nodes`); list them, or use {key}.strategy=spread or resources"
+                )
+            if block.node_ids and block.strategy != "node_affinity":
+                raise ConfigError(
+                    f"{key}.node_ids is set but {key}.strategy={block.strategy} ignores it; "
+                    f"set {key}.strategy=node_affinity, or remove {key}.node_ids"
+                )
+            if (
+                isinstance(block, _ActorPlacementBlock)
+                and block.strategy == "placement_group"
+                and block.num_cpus == 0
+                and not any(v > 0 for v in block.resources.values())
+            ):
+                raise ConfigError(
+                    f"{key}.strategy=placement_group needs something to reserve per actor (a "
+                    f"bundle cannot be empty); set {key}.num_cpus above 0 or add "
+                    f"{key}.resources"
+                )
+        return self
+
+
 class _ComponentConfig(_Block):
     """A component's view of the job: the job's blocks it reads, under the job's names. Every
     block is required, so a view is always taken whole from a job, never filled in with
@@ -611,6 +762,10 @@ class RolloutRecoveryConfig(_Block):
     failover: FailoverConfig = FailoverConfig()
     """Worker failure detection, replacement and call migration."""
 
+    placement: PlacementConfig = PlacementConfig()
+    """Where Ray places the store shards, the environment actors and the workers (one machine or
+    a cluster)."""
+
     grpo: GrpoConfig = GrpoConfig()
     """The shipped GRPO driver's training loop."""
 
@@ -660,6 +815,25 @@ class RolloutRecoveryConfig(_Block):
                 "rollout_recovery.target_level=prefix refuses policy.generation.top_logprobs="
                 f"{self.policy.generation.top_logprobs} (top-k logprobs are not staged with "
                 "prefixes); set policy.generation.top_logprobs=0, or use target_level=turn"
+            )
+        actors = self.placement.environment.actors
+        if self.gateway.enabled and actors > 1:
+            raise ConfigError(
+                f"gateway.enabled=true refuses placement.environment.actors={actors} (the "
+                "gateway serves the episodes of one environment actor); set "
+                "placement.environment.actors=1, or gateway.enabled=false"
+            )
+        vllm = self.vllm_cfg
+        if (
+            self.placement.workers.strategy == "placement_group"
+            and vllm.worker_num_cpus == 0
+            and vllm.device == "cpu"
+            and not any(v > 0 for v in vllm.worker_resources.values())
+        ):
+            raise ConfigError(
+                "placement.workers.strategy=placement_group needs something to reserve per "
+                "worker (a bundle cannot be empty); set vllm_cfg.worker_num_cpus above 0 or "
+                "add vllm_cfg.worker_resources"
             )
         if self.environment.max_turns > 1 and not self.token_capture.supply_prefix_token_ids:
             raise ConfigError(

@@ -69,6 +69,16 @@ def rollout_id(group_id: str, index: int) -> str:
     return f"{group_id}-g{index}"
 
 
+def environment_of(rollout: str, count: int) -> int:
+    """Which of `count` environment actors owns rollout `rollout`: runs its episode, records it
+    at checkpoints and sweeps its staged rows. A stable hash, the same in every process; not
+    crc32, whose low bits are linear in the input's bits, so that a group's generations
+    `-g0`..`-g3` would all land on one of 2 or 4 actors."""
+    if count <= 1:
+        return 0
+    return int.from_bytes(hashlib.sha256(rollout.encode()).digest()[:8], "big") % count
+
+
 def replay_key(group_id: str, index: int) -> str:
     """The replay-row key of a group's `index`-th generation (sorts by group, then index)."""
     return f"{group_id}/{index:03d}"

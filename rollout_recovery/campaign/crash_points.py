@@ -182,14 +182,12 @@ def records_by_run(run_dir: str, starts_ns: list[int]) -> list[list[dict]]:
 def snapshot_keys(snapshot_uri: str, partition: str) -> set[str]:
     """The keys of one partition in a published snapshot (verified on read)."""
     from rollout_recovery.data_plane import StagingStore
-    from rollout_recovery.data_plane.snapshot_io import read_verified, resolve
+    from rollout_recovery.data_plane.snapshot_io import read_partitions, resolve
 
     fs, path = resolve(snapshot_uri)
-    keys: set[str] = set()
-    for entry in StagingStore.manifest(snapshot_uri).body.files:
-        if entry.partition == partition:
-            keys |= set(read_verified(fs, path, entry).column("key").to_pylist())
-    return keys
+    files = [f for f in StagingStore.manifest(snapshot_uri).body.files if f.partition == partition]
+    table = read_partitions(fs, path, files).get(partition)
+    return set() if table is None else set(table.column("key").to_pylist())
 
 
 def turn_lengths(loss_mask) -> list[int]:

@@ -2,10 +2,16 @@
 the checkpoint log (docs/design.md §4).
 
 One attempt: fence every worker (terminal rows and chunk deletes wait), prepare the
-environment (admission closed, in-flight calls cut), commit its episode records, snapshot the
-store with the ledger (manifest last: that publishes it), then release the fences and reopen
-admission, also when the attempt fails. An attempt that fails or runs out of time is aborted
-through its publish gate, so its snapshot can no longer be published. Attempts, on the cadence
+environment (admission closed, in-flight calls cut), commit its episode records, capture every
+store shard (the snapshot's consistent cut), then release the fences and reopen admission
+(also when the attempt fails); only then are the captured rows written with the ledger and
+the manifest published (written last: that publishes it), while generation goes on. The
+fences are held for the cut, the commit and the capture alone. With
+`rollout_checkpointing.full_snapshot_every` > 1 a snapshot is incremental: it writes only what
+changed since the previous one and lists that one's files (data_plane/snapshot_io.py).
+
+An attempt that fails or runs out of time is aborted through its publish gate, so its
+snapshot can no longer be published. Attempts, on the cadence
 or after a trainer checkpoint, share one count of consecutive failures:
 `rollout_checkpointing.max_consecutive_failures` in a row stop the run.
 
@@ -166,33 +172,58 @@ class CheckpointCoordinator:
         t0 = time.monotonic()
         epoch = next(self.epochs)
         timeout = self.cfg.rollout_checkpointing.attempt_timeout_s
+        full_every = self.cfg.rollout_checkpointing.full_snapshot_every
         lease_s = max(self.cfg.token_capture.control_timeout_s * 3, timeout + 5)
         ckpt_id = f"ckpt-{self.state.step}-{epoch}"
         fenced = self.workers if self.cfg.token_capture.enabled else WorkerPool([])
         gate = PublishGate()
+        phases: dict[str, float] = {}
 
-        async def steps():
+        def timed(name: str, since: float) -> float:
+            now = time.monotonic()
+            phases[name] = now - since
+            return now
+
+        async def fenced_steps():
             await fenced.begin_fences(epoch, lease_s)
             crash_point("fence_held")
+            t = time.monotonic()
             cuts = await self.env.prepare(ckpt_id, lease_s)
             crash_point("env_prepared")
+            t = timed("cut_s", t)
             records = await self.env.commit(ckpt_id)
             crash_point("episodes_committed")
-            s0 = time.monotonic()
-            snap = await self.store.asnapshot(
-                self.snapshot_root,
+            t = timed("commit_s", t)
+            captured = await self.store.acapture(
+                self.snapshot_root, full_every, deadline=t0 + timeout, gate=gate
+            )
+            timed("capture_s", t)
+            return cuts, records, captured
+
+        async def publish(records, captured):
+            return await self.store.awrite(
+                captured,
                 meta={"trainer_step": str(self.state.step), "reason": reason},
                 sidecars={LEDGER: self.ledger(reason, records).to_json()},
                 deadline=t0 + timeout,
                 gate=gate,
                 owner=self.owner,
             )
-            crash_point("snapshot_taken")
-            cuts |= {"chunk_rows_swept": records.chunk_rows_swept}
-            return cuts, records, snap, time.monotonic() - s0
 
         try:
-            cuts, records, snap, snapshot_s = await asyncio.wait_for(steps(), timeout)
+            try:
+                cuts, records, captured = await asyncio.wait_for(fenced_steps(), timeout)
+            finally:
+                fence_s = time.monotonic() - t0
+                await _to_the_end(self._release(ckpt_id, epoch, fenced))
+            crash_point("fences_released")
+            # The capture is the snapshot's consistent cut: its files are written and it is
+            # published while the workers and the environment go on.
+            w0 = time.monotonic()
+            left = max(0.0, t0 + timeout - w0)
+            snap = await asyncio.wait_for(publish(records, captured), left)
+            crash_point("snapshot_taken")
+            timed("write_s", w0)
         except asyncio.CancelledError:  # the cadence stopped (its work ended) mid-attempt
             gate.abort()
             raise
@@ -207,19 +238,19 @@ class CheckpointCoordinator:
                     f"attempt_timeout_s={timeout}; {outcome}"
                 ) from None
             raise
-        finally:
-            fence_s = time.monotonic() - t0
-            await _to_the_end(self._release(ckpt_id, epoch, fenced))
-        crash_point("fences_released")
         keep = self.cfg.rollout_checkpointing.keep_latest_k
         StagingStore.gc(self.snapshot_root, keep, owner=self.owner)
         self._gc_journal()
         self.metrics.add("checkpoints")
         self.metrics.add("fence_hold_s", fence_s)
+        body = snap.manifest.body
         metrics = {
             "checkpoint": snap.uri, "reason": reason, "step": self.state.step,
-            "fence_hold_s": fence_s, "save_s": time.monotonic() - t0, "snapshot_s": snapshot_s,
+            "fence_hold_s": fence_s, "save_s": time.monotonic() - t0,
+            "snapshot_s": phases["capture_s"] + phases["write_s"], **phases,
+            "incremental": body.base is not None, "snapshot_bytes": body.written_bytes,
             "episodes_recorded": len(records.episodes), **cuts,
+            "chunk_rows_swept": records.chunk_rows_swept,
         }  # fmt: skip
         self._log(metrics)
         return metrics

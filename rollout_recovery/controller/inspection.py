@@ -31,6 +31,9 @@ from rollout_recovery.data_plane.snapshot_io import (
     MANIFEST_NAME,
     SNAPSHOT_DIR_RE,
     Manifest,
+    check_files,
+    file_name,
+    file_path,
     join,
     read_manifest,
     read_sidecar,
@@ -249,15 +252,23 @@ def _manifest_problem(err: SnapshotError, snapshot_dir: str) -> str:
     return text
 
 
-def _missing_or_torn(manifest: Manifest, files: dict[str, int]) -> str | None:
-    """A listed file that is absent or of the wrong size, found from the listing alone."""
+def _missing_or_torn(
+    loc: _Location, path: str, manifest: Manifest, files: dict[str, int]
+) -> str | None:
+    """A listed file that is absent or of the wrong size, found from the listing (and, for
+    the files an incremental snapshot lists from earlier ones, their metadata) alone."""
     listed = [(f"sidecars/{s.name}", s.bytes) for s in manifest.body.sidecars]
-    listed += [(f.path, f.bytes) for f in manifest.body.files]
-    for path, size in listed:
-        if path not in files:
-            return f"{path}: missing"
-        if files[path] != size:
-            return f"{path}: has {files[path]} bytes, manifest says {size}"
+    listed += [(f.path, f.bytes) for f in manifest.body.files if f.snapshot is None]
+    for rel, size in listed:
+        if rel not in files:
+            return f"{rel}: missing"
+        if files[rel] != size:
+            return f"{rel}: has {files[rel]} bytes, manifest says {size}"
+    referenced = [f for f in manifest.body.files if f.snapshot is not None]
+    try:
+        check_files(loc.fs, path, referenced)
+    except SnapshotError as err:
+        return one_line(err).removeprefix("snapshot file ")
     return None
 
 
@@ -320,12 +331,15 @@ def _read(
     body = manifest.body
     summary.status, summary.created_at = "published", body.created_at
     summary.rows = dict.fromkeys(body.partitions, 0)
-    for f in body.files:
-        summary.rows[f.partition] = summary.rows.get(f.partition, 0) + f.rows
+    if body.rows:  # format v2: counted at capture (an incremental's files overlap)
+        summary.rows |= body.rows
+    else:
+        for f in body.files:
+            summary.rows[f.partition] = summary.rows.get(f.partition, 0) + f.rows
     step = body.meta.get("trainer_step", "")
     summary.step = int(step) if step.isdigit() else None
     summary.reason = body.meta.get("reason")
-    ledger, damage = None, _missing_or_torn(manifest, files)
+    ledger, damage = None, _missing_or_torn(loc, path, manifest, files)
     try:
         ledger, summary.problem = _ledger(loc, name, manifest)
     except SnapshotError as err:
@@ -390,7 +404,7 @@ def show_snapshot(target: str, name: str | None = None) -> SnapshotDetail:
     detail.payload_bytes, detail.meta = body.payload_bytes, body.meta
     detail.files = [
         FileSummary(
-            path=f.path,
+            path=file_name(f),
             bytes=f.bytes,
             partition=f.partition,
             shard=f.shard,
@@ -430,12 +444,13 @@ def _first_damage(fs: pafs.FileSystem, snapshot_dir: str) -> tuple[str, str] | N
         body = read_manifest(fs, snapshot_dir).body
     except SnapshotError as err:
         return MANIFEST_NAME, _manifest_problem(err, snapshot_dir)
-    entries = [(f"sidecars/{s.name}", s.bytes, s.sha256) for s in body.sidecars]
-    entries += [(f.path, f.bytes, f.sha256) for f in body.files]
-    for path, size, sha256 in entries:
-        problem = _entry_problem(fs, join(snapshot_dir, path), size, sha256)
+    entries = [(f"sidecars/{s.name}", join(snapshot_dir, "sidecars", s.name), s.bytes, s.sha256)
+               for s in body.sidecars]  # fmt: skip
+    entries += [(file_name(f), file_path(snapshot_dir, f), f.bytes, f.sha256) for f in body.files]
+    for name, path, size, sha256 in entries:
+        problem = _entry_problem(fs, path, size, sha256)
         if problem is not None:
-            return path, problem
+            return name, problem
     return None
 
 

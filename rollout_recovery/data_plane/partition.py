@@ -3,10 +3,17 @@
 Pure logic (no Ray), so it can be tested directly. Every mutation is a plain synchronous call;
 the shard actor runs them on its event loop, which makes each one atomic with respect to the
 others and to a snapshot's capture.
+
+For incremental snapshots a partition also logs what changed: every put as (seq, key) and
+every delete as (op seq, key), both in increasing seq order. A capture `since` a boundary
+(the shard's next seq when the parent snapshot was captured) reads only the rows put since
+then and the keys deleted since then, without scanning the index; the logs are pruned below
+the boundary of the newest published snapshot (the parent of every later one).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
 
@@ -27,9 +34,15 @@ class Lease:
     expires_at: float
 
 
+DELETES_SCHEMA = pa.schema([("key", pa.string()), (SEQ_COLUMN, pa.int64())])
+
+
 @dataclass
 class CapturedPartition:
-    """A snapshot's view of a partition: references to immutable batches, rows in seq order."""
+    """A snapshot's view of a partition: references to immutable batches, rows in seq order.
+    An incremental capture holds only the rows put since its boundary, plus `deleted`: the
+    keys deleted since then with the op seq of their delete (a row of that key with a lower
+    seq is gone)."""
 
     name: str
     schema: pa.Schema
@@ -37,10 +50,18 @@ class CapturedPartition:
     offsets: list[int]
     positions: np.ndarray  # global row positions, in seq order
     seqs: np.ndarray
+    deleted: list[tuple[int, str]] | None = None  # None: a full capture
+    live_rows: int = 0  # rows in the partition at capture
 
     def to_table(self) -> pa.Table:
         base = _select(self.batches, self.offsets, self.positions, self.schema)
         return base.append_column(SEQ_COLUMN, pa.array(self.seqs, pa.int64()))
+
+    def deletes_table(self) -> pa.Table:
+        seqs, keys = zip(*self.deleted, strict=True) if self.deleted else ((), ())
+        return pa.table(
+            [pa.array(keys, pa.string()), pa.array(seqs, pa.int64())], schema=DELETES_SCHEMA
+        )
 
 
 def _select(batches: list[pa.Table], offsets: list[int], positions: np.ndarray, schema) -> pa.Table:
@@ -70,6 +91,8 @@ class PartitionTable:
     available_sorted: bool = True
     leased: dict[str, str] = field(default_factory=dict)  # key -> lease id
     dead_rows: int = 0
+    put_log: list[tuple[int, str]] = field(default_factory=list)  # (seq, key), seq order
+    delete_log: list[tuple[int, str]] = field(default_factory=list)  # (op seq, key)
 
     @property
     def total_rows(self) -> int:
@@ -92,6 +115,7 @@ class PartitionTable:
                 released.append(key)
             self.index[key] = (base + i, next_seq + i)
             self.available[key] = next_seq + i
+        self.put_log.extend(zip(range(next_seq, next_seq + len(keys)), keys, strict=True))
         self._maybe_compact()
         return len(keys), released
 
@@ -110,11 +134,13 @@ class PartitionTable:
         positions = np.fromiter(found, dtype=np.int64, count=len(found))
         return _select(self.batches, self.offsets, positions, self.schema), missing
 
-    def delete(self, keys: list[str]) -> tuple[int, list[str]]:
+    def delete(self, keys: list[str], op_seq: int) -> tuple[int, list[str]]:
+        """Delete rows; `op_seq` orders the delete after every row put before it."""
         deleted, released = 0, []
         for k in keys:
             if k in self.index:
                 deleted += 1
+                self.delete_log.append((op_seq, k))
                 if self._drop(k):
                     released.append(k)
         self._maybe_compact()
@@ -141,22 +167,42 @@ class PartitionTable:
                 self.available[k] = self.index[k][1]
                 self.available_sorted = False
 
-    def consume(self, keys: list[str], lease_id: str) -> int:
+    def consume(self, keys: list[str], lease_id: str, op_seq: int) -> int:
         """Ack: delete the rows still held by this lease."""
         n = 0
         for k in keys:
             if self.leased.get(k) == lease_id:
+                self.delete_log.append((op_seq, k))
                 self._drop(k)
                 n += 1
         self._maybe_compact()
         return n
 
-    def capture(self) -> CapturedPartition:
-        items = sorted(self.index.values(), key=lambda ps: ps[1])
+    def capture(self, since: int | None = None) -> CapturedPartition:
+        """Every row (`since` None), or only what changed since the boundary `since`: the
+        rows put at or after it that are still live, and the keys deleted at or after it."""
+        if since is None:
+            items = sorted(self.index.values(), key=lambda ps: ps[1])
+            deleted = None
+        else:
+            start = bisect.bisect_left(self.put_log, (since, ""))
+            items = []
+            for seq, key in itertools.islice(self.put_log, start, None):
+                entry = self.index.get(key)
+                if entry is not None and entry[1] == seq:
+                    items.append(entry)
+            first = bisect.bisect_left(self.delete_log, (since, ""))
+            deleted = self.delete_log[first:]
         arr = np.array(items, dtype=np.int64).reshape(-1, 2)
-        return CapturedPartition(
-            self.name, self.schema, list(self.batches), list(self.offsets), arr[:, 0], arr[:, 1]
-        )
+        return CapturedPartition(self.name, self.schema, list(self.batches), list(self.offsets),
+                                 arr[:, 0], arr[:, 1], deleted, len(self.index))  # fmt: skip
+
+    def prune_logs(self, below: int) -> None:
+        """Forget changes before `below`: no later snapshot's parent is older than that."""
+        if self.put_log and self.put_log[0][0] < below:
+            del self.put_log[: bisect.bisect_left(self.put_log, (below, ""))]
+        if self.delete_log and self.delete_log[0][0] < below:
+            del self.delete_log[: bisect.bisect_left(self.delete_log, (below, ""))]
 
     def load(self, table: pa.Table) -> int:
         """Replace everything with rows read from a snapshot (carrying their seq column)."""

@@ -19,12 +19,12 @@ import pyarrow.fs as pafs
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
 from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
-from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform, schema_version
+from rollout_recovery.data_plane.schemas import SCHEMAS, conform, schema_version
 from rollout_recovery.data_plane.snapshot_io import (
     FileEntry,
     LeaseEntry,
     join,
-    read_verified,
+    read_partitions,
     resolve,
     write_table_checksummed,
 )
@@ -61,7 +61,8 @@ class StoreShard:
         self.kinds = dict(partitions)
         self.leases: dict[str, Lease] = {}
         self.next_seq = 0
-        self._pending_restore: dict[str, pa.Table] | None = None
+        self._pending_restore: tuple[dict[str, pa.Table], int] | None = None
+        self._captured: dict[str, tuple[list[CapturedPartition], list[LeaseEntry]]] = {}
 
     def _part(self, name: str) -> PartitionTable:
         try:
@@ -97,7 +98,8 @@ class StoreShard:
         return self._part(partition).get(keys)
 
     async def delete(self, partition: str, keys: list[str]) -> int:
-        n, released = self._part(partition).delete(keys)
+        n, released = self._part(partition).delete(keys, self.next_seq)
+        self.next_seq += 1  # a later put is ordered after this delete
         self._unlease(released)
         return n
 
@@ -121,7 +123,9 @@ class StoreShard:
         lease = self.leases.pop(lease_id, None)
         if lease is None:
             return 0
-        return self.partitions[lease.partition].consume(lease.keys, lease_id)
+        n = self.partitions[lease.partition].consume(lease.keys, lease_id, self.next_seq)
+        self.next_seq += 1
+        return n
 
     async def stats(self) -> dict[str, dict[str, int]]:
         self._expire()
@@ -132,29 +136,42 @@ class StoreShard:
 
     # ------------------------------------------------------------------ snapshots
 
-    async def snapshot(
-        self, snapshot_dir_uri: str, filesystem: pafs.FileSystem | None = None
-    ) -> tuple[list[FileEntry], list[LeaseEntry]]:
-        """Capture this shard atomically, then write its files off the event loop (through
-        `filesystem` when given instead of the URI's own)."""
+    async def capture(self, token: str, since: int | None, keep_changes_from: int | None) -> dict:
+        """Capture this shard atomically for snapshot `token` (every row, or with `since` the
+        changes since that boundary); its files are written by `write`. Changes logged before
+        `keep_changes_from` (the published parent's boundary; None: this capture's own) are
+        forgotten. Returns the boundary and the row counts."""
         self._expire()
-        captured = [p.capture() for p in self.partitions.values()]
+        captured = [p.capture(since) for p in self.partitions.values()]
         leases = [
-            LeaseEntry(
-                lease_id=le.lease_id,
-                partition=le.partition,
-                consumer=le.consumer,
-                shard=self.shard_index,
-                keys=list(le.keys),
-            )
+            LeaseEntry(lease_id=le.lease_id, partition=le.partition, consumer=le.consumer,
+                       shard=self.shard_index, keys=list(le.keys))
             for le in self.leases.values()
             if le.keys
-        ]
+        ]  # fmt: skip
+        boundary = self.next_seq
+        for part in self.partitions.values():
+            part.prune_logs(boundary if keep_changes_from is None else keep_changes_from)
+        while len(self._captured) >= 4:  # captures never written (their attempt failed)
+            self._captured.pop(next(iter(self._captured)))
+        self._captured[token] = (captured, leases)
+        return {"boundary": boundary, "rows": {c.name: c.live_rows for c in captured},
+                "changed_rows": sum(len(c.positions) for c in captured)}  # fmt: skip
+
+    async def write(
+        self, token: str, snapshot_dir_uri: str, filesystem: pafs.FileSystem | None = None
+    ) -> tuple[list[FileEntry], list[LeaseEntry]]:
+        """Write the files of capture `token` off the event loop (through `filesystem` when
+        given instead of the URI's own)."""
+        captured, leases = self._captured.pop(token)
         loop = asyncio.get_running_loop()
         files = await loop.run_in_executor(
             None, self._write_files, snapshot_dir_uri, captured, filesystem
         )
         return files, leases
+
+    async def discard(self, token: str) -> None:
+        self._captured.pop(token, None)
 
     def _write_files(
         self,
@@ -168,6 +185,9 @@ class StoreShard:
         sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
         jobs = []
         for cap in captured:
+            if cap.deleted:
+                rel = f"shard-{self.shard_index:03d}/{cap.name}.deletes.arrow"
+                jobs.append((cap.name, rel, cap.deletes_table(), "deletes"))
             if len(cap.positions) == 0:
                 continue  # an empty partition needs no file; restore leaves it empty
             table = cap.to_table()
@@ -175,10 +195,10 @@ class StoreShard:
             per = -(-table.num_rows // segments)
             for k in range(segments):
                 rel = f"shard-{self.shard_index:03d}/{cap.name}.{k:04d}.arrow"
-                jobs.append((cap.name, rel, table.slice(k * per, per)))
+                jobs.append((cap.name, rel, table.slice(k * per, per), "rows"))
 
         def write(job) -> FileEntry:
-            name, rel, table = job
+            name, rel, table, content = job
             sha, size = write_table_checksummed(fs, join(root, rel), table)
             crash_point("snapshot_file_written")
             if sleep_s:
@@ -193,6 +213,7 @@ class StoreShard:
                 rows=table.num_rows,
                 bytes=size,
                 sha256=sha,
+                content=content,
             )
 
         return list(_io_pool().map(write, jobs))
@@ -203,13 +224,16 @@ class StoreShard:
         files: list[FileEntry],
         num_shards_written: int,
         filesystem: pafs.FileSystem | None = None,
+        boundary: int = 0,
     ) -> int:
-        """Read and verify this shard's rows from a snapshot, staged until commit."""
+        """Read and verify this shard's rows from a snapshot (the files of its chain, resolved
+        to the rows live at its capture), staged until commit. `boundary`: the seq the shard
+        had reached when the snapshot was captured; later puts must be ordered after it."""
         loop = asyncio.get_running_loop()
         staged = await loop.run_in_executor(
             None, self._read_files, snapshot_dir_uri, files, num_shards_written, filesystem
         )
-        self._pending_restore = staged
+        self._pending_restore = (staged, boundary)
         return sum(t.num_rows for t in staged.values())
 
     def _read_files(
@@ -220,40 +244,30 @@ class StoreShard:
         filesystem: pafs.FileSystem | None = None,
     ):
         fs, root = resolve(snapshot_dir_uri, filesystem)
-        tables: dict[str, list[pa.Table]] = {name: [] for name in self.partitions}
         for entry in files:
             if entry.partition not in self.partitions:
                 raise SnapshotCorruptError(
                     f"snapshot file {entry.path} is for partition {entry.partition!r}, "
                     f"which this store does not have"
                 )
-            check_version(entry.row_kind, entry.schema_version, f"snapshot file {entry.path}")
-        read = list(_io_pool().map(lambda e: read_verified(fs, root, e), files))
-        for entry, table in zip(files, read, strict=True):
-            if num_shards_written != self.num_shards:
-                keys = table.column("key").to_pylist()
-                mine = [
-                    i
-                    for i, k in enumerate(keys)
-                    if shard_of(k, self.num_shards) == self.shard_index
-                ]
-                table = table.take(pa.array(mine, pa.int64()))
-            tables[entry.partition].append(table)
+        mine = None
+        if num_shards_written != self.num_shards:
+            mine = lambda key: shard_of(key, self.num_shards) == self.shard_index  # noqa: E731
+        tables = read_partitions(fs, root, files, _io_pool(), mine)
         out = {}
-        for name, parts in tables.items():
+        for name, table in tables.items():
             schema = self.partitions[name].schema
-            if parts:
-                table = pa.concat_tables(parts)
-                body = conform(table.drop_columns(["_seq"]), schema, f"snapshot of {name!r}")
-                out[name] = body.append_column("_seq", table.column("_seq"))
+            body = conform(table.drop_columns(["_seq"]), schema, f"snapshot of {name!r}")
+            out[name] = body.append_column("_seq", table.column("_seq"))
         return out
 
     async def restore_commit(self) -> None:
         if self._pending_restore is None:
             raise RuntimeError("restore_commit without a prepared restore")
-        staged, self._pending_restore = self._pending_restore, None
+        (staged, boundary), self._pending_restore = self._pending_restore, None
         self.leases.clear()
-        next_seq = 0
+        self._captured.clear()
+        next_seq = boundary
         for name, part in self.partitions.items():
             if name in staged:
                 next_seq = max(next_seq, part.load(staged[name]))

@@ -6,6 +6,15 @@ Layout under a root (a local path or a pyarrow.fs URI such as s3://bucket/prefix
     <root>/snapshot-<seq:010d>-<id>/sidecars/<name>                   small files (a ledger)
     <root>/snapshot-<seq:010d>-<id>/MANIFEST.json                     published last
 
+Incremental snapshots: a snapshot may write only what changed since its parent (the previous
+published snapshot of the same store): per shard and partition, the rows put since the
+parent's capture and a `<partition>.deletes.arrow` file of the keys deleted since, each with
+the seq of its delete. Its manifest lists every file a restore reads: its own and, by the
+name of the earlier snapshot that wrote them (`FileEntry.snapshot`), the files of its chain,
+each with its size and sha256. Verification and restore read them all; a restore keeps, per
+key, the row with the highest seq unless a delete with a higher seq follows it (`resolve_rows`).
+A full snapshot (no `base`) starts a new chain.
+
 Durability order (docs/storage.md): each data file is fsynced, then its directory; each
 sidecar likewise; then the manifest is written under a temporary name and fsynced, the
 snapshot directory fsynced, the manifest moved into place, and the snapshot directory and the
@@ -23,9 +32,10 @@ appear, and when it returns False it already has. Readers ignore directories wit
 manifest.
 
 Retention: a published snapshot counts only if it verifies (`verify_snapshot`: manifest
-checksum and format, every listed file's size and sha256). `gc` keeps the newest k that
-verify and deletes only directories older than the oldest one kept, plus unpublished ones
-older than the newest one kept; when none verifies it deletes nothing.
+checksum and format, every listed file's size and sha256, the chain's included). `gc` keeps
+the newest k that verify and deletes only directories older than the oldest one kept, plus
+unpublished ones older than the newest one kept, never a directory holding a file that a kept
+snapshot lists; when none verifies it deletes nothing.
 """
 
 from __future__ import annotations
@@ -43,9 +53,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
@@ -59,10 +72,12 @@ from rollout_recovery.data_plane.errors import (
     SnapshotError,
     SnapshotNotFoundError,
 )
+from rollout_recovery.data_plane.schemas import check_version
 from rollout_recovery.protocol import ID_RE
 
 MANIFEST_NAME = "MANIFEST.json"
-MANIFEST_FORMAT = "rollout_recovery.snapshot/v1"
+MANIFEST_FORMAT = "rollout_recovery.snapshot/v2"  # v2: incremental (file references, deletes)
+READABLE_FORMATS = ("rollout_recovery.snapshot/v1", MANIFEST_FORMAT)
 SNAPSHOT_DIR_RE = re.compile(r"^snapshot-(\d{10})-([0-9a-f]{8})$")
 _HASH_CHUNK = 8 << 20
 log = logging.getLogger("rollout_recovery")
@@ -79,6 +94,8 @@ class FileEntry(BaseModel):
     rows: int
     bytes: int
     sha256: str
+    snapshot: str | None = None  # the earlier snapshot that wrote it; None: this one
+    content: Literal["rows", "deletes"] = "rows"  # deletes: (key, seq of the delete)
 
 
 class LeaseEntry(BaseModel):
@@ -112,9 +129,18 @@ class ManifestBody(BaseModel):
     partitions: dict[str, str]  # partition -> row kind
     files: list[FileEntry]
     leases: list[LeaseEntry]
-    payload_bytes: int
+    payload_bytes: int  # every listed file's bytes: what a restore reads
     meta: dict[str, str] = {}
     sidecars: list[SidecarEntry] = []
+    base: str | None = None  # the parent of an incremental snapshot; None: a full one
+    chain_length: int = 1  # snapshots whose files a restore reads (1: a full one)
+    boundaries: list[int] = []  # per shard: its seq at capture (rows after it are newer)
+    rows: dict[str, int] = {}  # partition -> rows in the store at capture
+    written_bytes: int = 0  # bytes of the files this snapshot wrote itself
+
+    def chain(self) -> list[str]:
+        """The earlier snapshots whose files this one lists, by name."""
+        return sorted({f.snapshot for f in self.files if f.snapshot is not None})
 
 
 class Manifest(BaseModel):
@@ -299,9 +325,22 @@ def write_table_checksummed(fs: pafs.FileSystem, path: str, table: pa.Table) -> 
     return digest[0], os.path.getsize(path)
 
 
+def file_path(snapshot_dir: str, entry: FileEntry) -> str:
+    """Where a listed file lies: in the snapshot's directory, or in the earlier snapshot's
+    directory (a sibling under the same root) that wrote it."""
+    if entry.snapshot is None:
+        return join(snapshot_dir, entry.path)
+    return join(snapshot_dir.rstrip("/").rsplit("/", 1)[0], entry.snapshot, entry.path)
+
+
+def file_name(entry: FileEntry) -> str:
+    """A listed file's path for messages: relative to the snapshot's directory."""
+    return entry.path if entry.snapshot is None else f"../{entry.snapshot}/{entry.path}"
+
+
 def read_verified(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> pa.Table:
     """Read one snapshot file, checking size, sha256, row count and schema against its entry."""
-    path = join(snapshot_dir, entry.path)
+    path = file_path(snapshot_dir, entry)
     try:
         if _is_local(fs):
             # Zero-copy: the table's buffers stay backed by the (immutable) snapshot file.
@@ -310,22 +349,81 @@ def read_verified(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> p
             with fs.open_input_file(path) as f:
                 data = f.read_buffer()
     except (FileNotFoundError, OSError) as err:
-        raise SnapshotCorruptError(f"snapshot file {entry.path} is missing: {err}") from None
+        raise SnapshotCorruptError(f"snapshot file {file_name(entry)} is missing: {err}") from None
     if data.size != entry.bytes:
         raise SnapshotCorruptError(
-            f"snapshot file {entry.path} has {data.size} bytes, manifest says {entry.bytes}"
+            f"snapshot file {file_name(entry)} has {data.size} bytes, manifest says {entry.bytes}"
         )
     if hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise SnapshotCorruptError(f"snapshot file {entry.path} fails its sha256 check")
+        raise SnapshotCorruptError(f"snapshot file {file_name(entry)} fails its sha256 check")
     try:
         table = pa.ipc.open_file(data).read_all()
     except pa.ArrowInvalid as err:
-        raise SnapshotCorruptError(f"snapshot file {entry.path} is not Arrow IPC: {err}") from None
+        where = file_name(entry)
+        raise SnapshotCorruptError(f"snapshot file {where} is not Arrow IPC: {err}") from None
     if table.num_rows != entry.rows:
         raise SnapshotCorruptError(
-            f"snapshot file {entry.path} has {table.num_rows} rows, manifest says {entry.rows}"
+            f"snapshot file {file_name(entry)} has {table.num_rows} rows, "
+            f"manifest says {entry.rows}"
         )
     return table
+
+
+def resolve_rows(rows: list[pa.Table], deletes: list[pa.Table]) -> pa.Table:
+    """The rows live at a snapshot's capture, from the files of its chain: per key the row
+    with the highest seq, unless the key's latest delete has a higher seq. Seqs of one key
+    always come from one shard, so they are comparable."""
+    table = pa.concat_tables(rows) if len(rows) > 1 else rows[0]
+    slim = pa.table({"key": table.column("key"), "_seq": table.column("_seq"),
+                     "_row": pa.array(np.arange(table.num_rows, dtype=np.int64))})  # fmt: skip
+    newest = slim.group_by("key").aggregate([("_seq", "max")])
+    kept = slim.join(newest, "key")
+    kept = kept.filter(pc.equal(kept.column("_seq"), kept.column("_seq_max")))
+    dead = [d for d in deletes if d.num_rows]
+    if dead:
+        gone = pa.concat_tables(dead).group_by("key").aggregate([("_seq", "max")])
+        gone = gone.rename_columns(["key", "_deleted"] if gone.column_names[0] == "key"
+                                   else ["_deleted", "key"])  # fmt: skip
+        kept = kept.join(gone, "key", join_type="left outer")
+        alive = pc.or_kleene(
+            pc.is_null(kept.column("_deleted")),
+            pc.greater_equal(kept.column("_seq"), kept.column("_deleted")),
+        )
+        kept = kept.filter(alive)
+    return table.take(pa.array(np.sort(kept.column("_row").to_numpy())))
+
+
+def read_partitions(
+    fs: pafs.FileSystem,
+    snapshot_dir: str,
+    files: list[FileEntry],
+    pool: ThreadPoolExecutor | None = None,
+    keep: Callable[[str], bool] | None = None,
+) -> dict[str, pa.Table]:
+    """The rows of each partition the listed files hold (a chain resolved by
+    `resolve_rows`), each file verified on read, with their `_seq` column; `keep(key)`
+    selects rows (and deletes) by key first. Partitions without rows are left out."""
+    for entry in files:
+        check_version(entry.row_kind, entry.schema_version, f"snapshot file {file_name(entry)}")
+    read = (pool.map if pool else map)(lambda e: read_verified(fs, snapshot_dir, e), files)
+    rows: dict[str, list[pa.Table]] = {}
+    deletes: dict[str, list[pa.Table]] = {}
+    for entry, table in zip(files, read, strict=True):
+        if keep is not None:
+            mask = [keep(k) for k in table.column("key").to_pylist()]
+            table = table.filter(pa.array(mask, pa.bool_()))
+        into = deletes if entry.content == "deletes" else rows
+        into.setdefault(entry.partition, []).append(table)
+    chained = any(e.snapshot is not None or e.content == "deletes" for e in files)
+    out = {}
+    for name, tables in rows.items():
+        if chained:
+            table = resolve_rows(tables, deletes.get(name, []))
+        else:  # one full snapshot: every key once, nothing deleted
+            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        if table.num_rows:
+            out[name] = table
+    return out
 
 
 def write_sidecar(fs: pafs.FileSystem, snapshot_dir: str, name: str, data: bytes) -> SidecarEntry:
@@ -417,10 +515,10 @@ def read_manifest(fs: pafs.FileSystem, snapshot_dir: str) -> Manifest:
         raise SnapshotCorruptError(
             f"{MANIFEST_NAME} in {snapshot_dir} is unreadable: {msg}"
         ) from None
-    if manifest.body.format != MANIFEST_FORMAT:
+    if manifest.body.format not in READABLE_FORMATS:
         raise SnapshotCorruptError(
             f"{MANIFEST_NAME} in {snapshot_dir} has format {manifest.body.format!r}; "
-            f"this reader knows {MANIFEST_FORMAT!r} (upgrade rollout_recovery)"
+            f"this reader knows {', '.join(READABLE_FORMATS)} (upgrade rollout_recovery)"
         )
     if _body_digest(manifest.body) != manifest.sha256:
         raise SnapshotCorruptError(f"{MANIFEST_NAME} in {snapshot_dir} fails its sha256 check")
@@ -453,29 +551,31 @@ def _file_digest(fs: pafs.FileSystem, path: str) -> tuple[str, int]:
 
 def _check_file(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> None:
     try:
-        sha, size = _file_digest(fs, join(snapshot_dir, entry.path))
+        sha, size = _file_digest(fs, file_path(snapshot_dir, entry))
     except OSError as err:
-        raise SnapshotCorruptError(f"snapshot file {entry.path} cannot be read: {err}") from None
+        where = file_name(entry)
+        raise SnapshotCorruptError(f"snapshot file {where} cannot be read: {err}") from None
     if size != entry.bytes:
         raise SnapshotCorruptError(
-            f"snapshot file {entry.path} has {size} bytes, manifest says {entry.bytes}"
+            f"snapshot file {file_name(entry)} has {size} bytes, manifest says {entry.bytes}"
         )
     if sha != entry.sha256:
-        raise SnapshotCorruptError(f"snapshot file {entry.path} fails its sha256 check")
+        raise SnapshotCorruptError(f"snapshot file {file_name(entry)} fails its sha256 check")
 
 
-def _check_sizes(fs: pafs.FileSystem, snapshot_dir: str, files: list[FileEntry]) -> None:
+def check_files(fs: pafs.FileSystem, snapshot_dir: str, files: list[FileEntry]) -> None:
     """Find a missing or truncated file from metadata alone, before reading any bytes."""
     try:
-        infos = fs.get_file_info([join(snapshot_dir, f.path) for f in files])
+        infos = fs.get_file_info([file_path(snapshot_dir, f) for f in files])
     except OSError as err:
         raise SnapshotCorruptError(f"cannot inspect the files of {snapshot_dir}: {err}") from None
     for entry, info in zip(files, infos, strict=True):
         if info.type != pafs.FileType.File:
-            raise SnapshotCorruptError(f"snapshot file {entry.path} is missing")
+            raise SnapshotCorruptError(f"snapshot file {file_name(entry)} is missing")
         if info.size != entry.bytes:
             raise SnapshotCorruptError(
-                f"snapshot file {entry.path} has {info.size} bytes, manifest says {entry.bytes}"
+                f"snapshot file {file_name(entry)} has {info.size} bytes, "
+                f"manifest says {entry.bytes}"
             )
 
 
@@ -496,7 +596,7 @@ def verify_snapshot(fs: pafs.FileSystem, snapshot_dir: str, use_cache: bool = Tr
     for sidecar in manifest.body.sidecars:
         read_sidecar(fs, snapshot_dir, sidecar)
     files = manifest.body.files
-    _check_sizes(fs, snapshot_dir, files)
+    check_files(fs, snapshot_dir, files)
     workers = max(1, min(8, len(files), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(lambda entry: _check_file(fs, snapshot_dir, entry), files))
@@ -645,7 +745,8 @@ def gc(
 
     Keeps the newest keep_latest_k snapshots that verify. Deletes every directory older than
     the oldest of them, and an unpublished one (no manifest) also when it is older than the
-    newest kept one: a snapshot published after it began means its attempt is over. A corrupt
+    newest kept one: a snapshot published after it began means its attempt is over. A
+    directory holding files a kept (incremental) snapshot lists stays until none does. A corrupt
     snapshot among or after the kept ones stays (for inspection), so does a newer unpublished
     one (it may still be being written); when no snapshot verifies nothing is deleted.
 
@@ -663,12 +764,19 @@ def gc(
     if not kept:
         return []
     oldest, newest = min(kept), max(kept)
-    doomed = [d.path for i, d in enumerate(dirs) if i < oldest or (not d.published and i < newest)]
+    referenced = {name for i in kept for name in read_manifest(fs, dirs[i].path).body.chain()}
+    doomed = [
+        d.path
+        for i, d in enumerate(dirs)
+        if (i < oldest or (not d.published and i < newest)) and d.name not in referenced
+    ]
     for d in doomed:
         fs.delete_dir(d)
         crash_point("retention_deleted")
     _forget_verified(doomed)
-    oldest_slot = dirs[oldest].slot
+    # A referenced snapshot keeps its publish entry: it stays published while it is kept.
+    slots = [d.slot for i, d in enumerate(dirs) if i == oldest or d.name in referenced]
+    oldest_slot = min((slot for slot in slots if slot is not None), default=None)
     if oldest_slot is not None:
         ownership.prune(fs, log, oldest_slot)
     return doomed

@@ -8,6 +8,7 @@ touched, so bad input writes nothing.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 import uuid
@@ -30,11 +31,14 @@ from rollout_recovery.data_plane.ownership import Owner, claim
 from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
 from rollout_recovery.data_plane.shard import StoreShard, shard_of
 from rollout_recovery.data_plane.snapshot_io import (
+    FileEntry,
     Manifest,
     ManifestBody,
     PublishGate,
+    check_files,
     child_uri,
     gc,
+    join,
     latest_uri,
     new_snapshot_dir,
     now_iso,
@@ -49,6 +53,7 @@ from rollout_recovery.protocol import KEY_PATTERN
 from rollout_recovery.runtime import actor_class
 
 KEY_RE = re.compile(KEY_PATTERN)
+log = logging.getLogger("rollout_recovery")
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9._/-]*$")
 DEFAULT_PARTITIONS = {
     "rollout_staging": "chunk_row",
@@ -75,6 +80,36 @@ class LeaseResult:
 class SnapshotResult:
     uri: str
     manifest: Manifest
+
+
+@dataclass(frozen=True)
+class _Parent:
+    """The newest snapshot this client published under a root: what an incremental one
+    references."""
+
+    name: str
+    files: list[FileEntry]  # every file a restore of it reads, each naming its snapshot
+    boundaries: list[int]  # per shard
+    chain_length: int
+    live_rows: int
+
+
+@dataclass(frozen=True)
+class CapturedSnapshot:
+    """A snapshot captured on every shard and not written yet (`StagingStore.write`)."""
+
+    root_uri: str
+    filesystem: pafs.FileSystem | None
+    seq: int
+    path: str  # its directory
+    uri: str
+    token: str  # names the capture on the shards
+    parent: _Parent | None  # None: a full snapshot
+    stats: list[dict]  # per shard: boundary, rows (per partition), changed_rows
+
+    @property
+    def changed_rows(self) -> int:
+        return sum(st["changed_rows"] for st in self.stats)
 
 
 def _resolve(uri: str, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str]:
@@ -117,6 +152,7 @@ class StagingStore:
         self.partitions = dict(partitions)
         self.limits = limits
         self.timeout_s = timeout_s
+        self._parents: dict[str, _Parent] = {}  # root URI -> its newest snapshot by this client
 
     @classmethod
     def create(
@@ -126,10 +162,13 @@ class StagingStore:
         limits: StoreLimits = StoreLimits(),
         num_cpus: float = 0,
         actor_options: dict[str, Any] | None = None,
+        shard_options: Sequence[dict[str, Any]] | None = None,
     ) -> StagingStore:
         """Start `num_shards` shard actors.
 
-        `actor_options` go to Ray as they are (e.g. a runtime_env with object-store credentials).
+        `actor_options` go to Ray as they are (e.g. a runtime_env with object-store
+        credentials); `shard_options[i]`, when given, are added for shard i alone (where it
+        runs: resources, a scheduling strategy; rollout_recovery/placement.py makes them).
         """
         if num_shards < 1:
             raise ValueError("num_shards must be >= 1")
@@ -139,8 +178,15 @@ class StagingStore:
                 raise ValueError(f"partition {pname!r}: unknown row kind {kind!r}")
             validate_key(pname)
         opts: dict[str, Any] = {"num_cpus": num_cpus, "max_concurrency": 64}
-        actor = actor_class(StoreShard, **opts | (actor_options or {}))
-        shards = [actor.remote(i, num_shards, partitions) for i in range(num_shards)]
+        if shard_options is not None and len(shard_options) != num_shards:
+            raise ValueError(f"shard_options has {len(shard_options)} entries, not {num_shards}")
+        base = opts | (actor_options or {})
+        shards = [
+            actor_class(
+                StoreShard, **base | dict(shard_options[i] if shard_options else {})
+            ).remote(i, num_shards, partitions)
+            for i in range(num_shards)
+        ]
         ray.get([s.stats.remote() for s in shards])
         return cls(shards, partitions, limits)
 
@@ -334,6 +380,7 @@ class StagingStore:
         gate: PublishGate | None = None,
         filesystem: pafs.FileSystem | None = None,
         owner: Owner | None = None,
+        full_every: int = 1,
     ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
@@ -346,23 +393,78 @@ class StagingStore:
         (by the shards too; every method taking a URI accepts it), e.g. a fault-injecting one.
         `owner` is the controller's claim on the root (ownership.claim); publication is
         refused with OwnerFenced once a newer controller claimed it (None: epoch 0, fenced by
-        any claim).
+        any claim). `full_every` > 1: incremental (see `capture`).
         """
+        gate = gate or PublishGate()
+        captured = self.capture(root_uri, full_every, deadline, gate, filesystem)
+        return self.write(captured, meta, sidecars, deadline, gate, owner)
+
+    def capture(
+        self,
+        root_uri: str,
+        full_every: int = 1,
+        deadline: float | None = None,
+        gate: PublishGate | None = None,
+        filesystem: pafs.FileSystem | None = None,
+    ) -> CapturedSnapshot:
+        """The first half of `snapshot`: a new snapshot directory and every shard captured
+        atomically (a consistent cut of the store); `write` then writes and publishes it while
+        puts and deletes go on. With `full_every` > 1 the capture is incremental - only what
+        changed since the previous snapshot this client published under root_uri - unless
+        that parent already ends a chain of `full_every` snapshots, holds more dead rows than
+        live ones, or a file it lists is gone; then it is full."""
+        if full_every < 1:
+            raise ValueError("full_every must be >= 1")
         gate = gate or PublishGate()
         fs, root = _resolve(root_uri, filesystem)
         gate.check(f"under {root}", deadline)
+        parent = self._parent_for(root_uri, fs, full_every)
+        keep_from = self._parents.get(root_uri) if full_every > 1 else None
         seq, path = new_snapshot_dir(fs, root)
         uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
-        results = ray.get(
-            [s.snapshot.remote(uri, filesystem) for s in self.shards],
-            timeout=self._timeout(deadline),
-        )
-        files = [f for fs_, _ in results for f in fs_]
+        token = uuid.uuid4().hex
+        refs = [
+            shard.capture.remote(
+                token,
+                parent.boundaries[i] if parent else None,
+                keep_from.boundaries[i] if keep_from and i < len(keep_from.boundaries) else None,
+            )
+            for i, shard in enumerate(self.shards)
+        ]
+        stats = ray.get(refs, timeout=self._timeout(deadline))
+        return CapturedSnapshot(root_uri, filesystem, seq, path, uri, token, parent, stats)
+
+    def write(
+        self,
+        captured: CapturedSnapshot,
+        meta: dict[str, str] | None = None,
+        sidecars: dict[str, bytes] | None = None,
+        deadline: float | None = None,
+        gate: PublishGate | None = None,
+        owner: Owner | None = None,
+    ) -> SnapshotResult:
+        """The second half of `snapshot`: the captured files, the sidecars, then the manifest
+        (listing the parent's files too when incremental), published under `gate`."""
+        gate = gate or PublishGate()
+        c = captured
+        fs, _ = _resolve(c.root_uri, c.filesystem)
+        try:
+            results = ray.get(
+                [s.write.remote(c.token, c.uri, c.filesystem) for s in self.shards],
+                timeout=self._timeout(deadline),
+            )
+        except BaseException:
+            for s in self.shards:
+                s.discard.remote(c.token)
+            raise
+        own = [f for fs_, _ in results for f in fs_]
         leases = [le for _, ls in results for le in ls]
-        side = [write_sidecar(fs, path, n, d) for n, d in (sidecars or {}).items()]
+        files = [*(c.parent.files if c.parent else []), *own]
+        side = [write_sidecar(fs, c.path, n, d) for n, d in (sidecars or {}).items()]
+        name = c.path.rstrip("/").rsplit("/", 1)[-1]
         body = ManifestBody(
-            snapshot_id=path.rstrip("/").rsplit("-", 1)[-1],
-            seq=seq,
+            snapshot_id=name.rsplit("-", 1)[-1],
+            seq=c.seq,
             created_at=now_iso(),
             num_shards=len(self.shards),
             partitions=self.partitions,
@@ -371,9 +473,40 @@ class StagingStore:
             payload_bytes=sum(f.bytes for f in files),
             meta=dict(meta or {}),
             sidecars=side,
+            base=c.parent.name if c.parent else None,
+            chain_length=c.parent.chain_length + 1 if c.parent else 1,
+            boundaries=[st["boundary"] for st in c.stats],
+            rows={p: sum(st["rows"].get(p, 0) for st in c.stats) for p in self.partitions},
+            written_bytes=sum(f.bytes for f in own),
         )
-        manifest = publish_manifest(fs, path, body, gate, deadline, owner)
-        return SnapshotResult(uri=uri, manifest=manifest)
+        manifest = publish_manifest(fs, c.path, body, gate, deadline, owner)
+        self._parents[c.root_uri] = _Parent(
+            name=name,
+            files=[f.model_copy(update={"snapshot": f.snapshot or name}) for f in files],
+            boundaries=body.boundaries,
+            chain_length=body.chain_length,
+            live_rows=sum(body.rows.values()),
+        )
+        return SnapshotResult(uri=c.uri, manifest=manifest)
+
+    def _parent_for(self, root_uri: str, fs: pafs.FileSystem, full_every: int) -> _Parent | None:
+        """The parent an incremental snapshot under root_uri builds on, or None: full."""
+        parent = self._parents.get(root_uri)
+        if parent is None or full_every <= 1 or parent.chain_length >= full_every:
+            return None
+        if len(parent.boundaries) != len(self.shards):
+            return None
+        stored = sum(f.rows for f in parent.files if f.content == "rows")
+        if stored > 2 * parent.live_rows + 1024:  # dead rows dominate: rewrite them away
+            return None
+        _, root = _resolve(root_uri, fs)
+        try:
+            check_files(fs, join(root, parent.name), parent.files)
+        except SnapshotCorruptError as err:
+            log.warning("snapshot %s cannot be a parent (%s); writing a full one", parent.name,
+                        err)  # fmt: skip
+            return None
+        return parent
 
     def _timeout(self, deadline: float | None) -> float | None:
         """The shard-call timeout: the store's, shortened to what is left of the deadline."""
@@ -425,13 +558,16 @@ class StagingStore:
                 )
         for f in body.files:
             check_version(f.row_kind, f.schema_version, f"snapshot file {f.path}")
-        if body.num_shards == len(self.shards):
-            per_shard = [[f for f in body.files if f.shard == i] for i in range(len(self.shards))]
+        n = len(self.shards)
+        if body.num_shards == n:
+            per_shard = [[f for f in body.files if f.shard == i] for i in range(n)]
+            boundaries = body.boundaries or [0] * n
         else:
             per_shard = [list(body.files) for _ in self.shards]
+            boundaries = [max(body.boundaries, default=0)] * n
         refs = [
-            s.restore_prepare.remote(snapshot_uri, files, body.num_shards, filesystem)
-            for s, files in zip(self.shards, per_shard, strict=True)
+            s.restore_prepare.remote(snapshot_uri, files, body.num_shards, filesystem, b)
+            for s, files, b in zip(self.shards, per_shard, boundaries, strict=True)
         ]
         try:
             ray.get(refs, timeout=self.timeout_s)
@@ -442,6 +578,7 @@ class StagingStore:
                 raise cause from None
             raise
         ray.get([s.restore_commit.remote() for s in self.shards])
+        self._parents.clear()  # the next snapshot starts a new chain
         return manifest
 
     async def asnapshot(
@@ -453,6 +590,7 @@ class StagingStore:
         gate: PublishGate | None = None,
         filesystem: pafs.FileSystem | None = None,
         owner: Owner | None = None,
+        full_every: int = 1,
     ) -> SnapshotResult:
         """`snapshot` in a thread. Cancelling this coroutine (e.g. `asyncio.wait_for` timing
         out) aborts the publication, since the thread itself cannot be stopped; a caller that
@@ -461,7 +599,36 @@ class StagingStore:
         gate = gate or PublishGate()
         try:
             return await asyncio.to_thread(
-                self.snapshot, root_uri, meta, sidecars, deadline, gate, filesystem, owner
+                self.snapshot, root_uri, meta, sidecars, deadline, gate, filesystem, owner,
+                full_every,
+            )  # fmt: skip
+        except asyncio.CancelledError:
+            gate.abort()
+            raise
+
+    async def acapture(
+        self,
+        root_uri: str,
+        full_every: int = 1,
+        deadline: float | None = None,
+        gate: PublishGate | None = None,
+    ) -> CapturedSnapshot:
+        return await asyncio.to_thread(self.capture, root_uri, full_every, deadline, gate)
+
+    async def awrite(
+        self,
+        captured: CapturedSnapshot,
+        meta: dict[str, str] | None = None,
+        sidecars: dict[str, bytes] | None = None,
+        deadline: float | None = None,
+        gate: PublishGate | None = None,
+        owner: Owner | None = None,
+    ) -> SnapshotResult:
+        """`write` in a thread; cancelling it aborts the publication (see `asnapshot`)."""
+        gate = gate or PublishGate()
+        try:
+            return await asyncio.to_thread(
+                self.write, captured, meta, sidecars, deadline, gate, owner
             )
         except asyncio.CancelledError:
             gate.abort()

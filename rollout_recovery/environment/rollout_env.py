@@ -5,6 +5,10 @@ The work itself is `EpisodeRunner`'s, on one private event loop that owns the HT
 pools. The public methods here are synchronous, so Ray hosts this class as a threaded actor
 (`max_concurrency`) rather than on one event loop: a checkpoint's `prepare` must not queue
 behind a running `run_groups`.
+
+A job may run several of these (`placement.environment.actors`): actor `index` of `count`
+runs and records only the episodes whose rollout id is its own (`protocol.environment_of`);
+`EnvironmentClient` fans each call out and merges the answers.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ class RolloutEnvironment:
         workers: WorkerPool,
         store,
         scratch_root: str | None = None,
+        index: int = 0,
+        count: int = 1,
     ) -> None:
         self._loop = LoopThread("rollout-environment")
-        self.runner = EpisodeRunner(cfg, workers, store, scratch_root)
+        self.runner = EpisodeRunner(cfg, workers, store, scratch_root, index, count)
         self.refused: Counter[str] = Counter()  # restore_refused.<reason>
         self._gateway: GatewayServer | None = None
 
@@ -42,9 +48,9 @@ class RolloutEnvironment:
     def run_groups(
         self, groups: list[tuple[str, dict]], seeds: list[list[int]], weight_version: int
     ) -> list[EpisodeOutcome]:
-        """Run `len(seeds[g])` episodes per (group id, task); one outcome per episode, in
-        order. Episodes whose row is already in `replay` are not run again; restored ones
-        replay their journal."""
+        """Run `len(seeds[g])` episodes per (group id, task), those of this environment's
+        rollouts; one outcome per such episode, in order. Episodes whose row is already in
+        `replay` are not run again; restored ones replay their journal."""
         return self._loop.run(self.runner.run_groups(groups, seeds, weight_version))
 
     def start_gateway(self, token: str, standalone_weight_version: int | None = None) -> str:

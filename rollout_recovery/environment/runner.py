@@ -16,6 +16,10 @@ durable before it is reported. Checkpoint side:
 - `load(records)` takes a restored snapshot's episodes: each unfinished one runs again as
   attempt + 1, replaying its journal, its in-flight call resumed from its cut prefix. A replay
   that diverges from its journal starts the episode over, counted by reason.
+
+A job may run several environments (`placement.environment.actors`); runner `index` of
+`count` owns the rollouts `environment_of(rollout_id, count) == index`: it runs only their
+episodes, and its sweep deletes only their staged rows (the others' are not its to judge).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from rollout_recovery.protocol import (
     Continuation,
     CutInventory,
     EpisodeOutcome,
+    environment_of,
     replay_key,
     rollout_id,
 )
@@ -96,8 +101,13 @@ class EpisodeRunner:
         workers: WorkerPool,
         store,
         scratch_root: str | None = None,
+        index: int = 0,
+        count: int = 1,
     ) -> None:
+        if not 0 <= index < count:
+            raise ValueError(f"environment index {index} is not in 0..{count - 1}")
         self.cfg, self.workers, self.store = cfg, workers, store
+        self.index, self.count = index, count  # which rollouts are this runner's
         env = cfg.environment
         self.max_turns = env.max_turns
         self.episode_fn = load_callable(env.episode)
@@ -121,7 +131,9 @@ class EpisodeRunner:
         self.migrating: dict[str, tuple[CallIdentity, Continuation | None]] = {}
         self.migrated: set[str] = set()  # rollouts whose continuation is a migration's
         self._workers_changed = asyncio.Event()
-        self._next_worker = itertools.count()
+        # Round robin from this environment's own offset, so N environments do not all start
+        # on worker 0.
+        self._next_worker = itertools.count(index)
         self._results: dict[str, asyncio.Future] = {}  # outside rollouts: the harness's result
         self._open: dict[str, asyncio.Future] = {}  # outside rollouts: their episode
         self.gateway_url: str | None = None  # set when the environment serves a gateway
@@ -130,14 +142,22 @@ class EpisodeRunner:
 
     # ------------------------------------------------------------------ episodes
 
+    def owns(self, rollout: str) -> bool:
+        """Whether rollout `rollout` is this environment's (`environment_of`)."""
+        return environment_of(rollout, self.count) == self.index
+
     async def run_groups(
         self, groups: list[tuple[str, dict]], seeds: list[list[int]], weight_version: int
     ) -> list[EpisodeOutcome]:
+        """One outcome per episode of this environment's (`owns`), in group order, then index
+        order; the other environments run the rest."""
         done = set(await self.store.alist("replay"))
         jobs = []
         for (gid, task), group_seeds in zip(groups, seeds, strict=True):
             for i, seed in enumerate(group_seeds):
                 rid, key = rollout_id(gid, i), replay_key(gid, i)
+                if not self.owns(rid):
+                    continue
                 restored = self.pending.pop(rid, None)
                 if key in done:
                     jobs.append(self._existing(key))
@@ -531,16 +551,19 @@ class EpisodeRunner:
         """Delete chunk rows that outlived their call: rows neither named by a continuation
         being kept nor belonging to a call attempt still in flight (a call that finished, was
         aborted, or died with a previous run). Rows must not outlive their call past the next
-        checkpoint, or every snapshot carries them forever."""
+        checkpoint, or every snapshot carries them forever. Only this environment's rows are
+        considered (`owns`; a row of no call's shape is environment 0's): another
+        environment's calls and continuations are not known here."""
         if self.store is None:
             return 0
         partition = self.cfg.token_capture.staging_partition
         keep = {k for c in continuations if c is not None for k in c.keys or []}
-        doomed = [
-            key
-            for key in await self.store.alist(partition)
-            if key not in keep and CallIdentity.of_chunk_key(key) not in live
-        ]
+        doomed = []
+        for key in await self.store.alist(partition):
+            call = CallIdentity.of_chunk_key(key)
+            mine = self.owns(call.rollout_id) if call is not None else self.index == 0
+            if mine and key not in keep and call not in live:
+                doomed.append(key)
         if doomed:
             await self.store.adelete(partition, doomed)
             crash_point("chunks_swept")

@@ -46,7 +46,15 @@ class EngineHost:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """The address others reach this server at: a wildcard bind advertises this node's
+        IP as Ray knows it, so the workers of a multi-node cluster are reachable from every
+        node without a per-node setting."""
+        host = self.host
+        if host in ("0.0.0.0", "::"):
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return f"http://{host}:{self.port}"
 
     async def create_engine(self) -> Any:
         """The AsyncLLM, after the environment check and vLLM gate. Created on the actor's

@@ -16,7 +16,7 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -128,6 +128,9 @@ class WorkerSpec:
     store: Any
     startup_timeout_s: float
     control_token: str | None
+    # Ray options of each worker slot (placement.py: its bundle, its node), added to
+    # `worker_actor_options`; a replacement for slot i is placed like worker i was.
+    slot_options: list[dict[str, Any]] = field(default_factory=list)
 
 
 class WorkerPool:
@@ -154,22 +157,30 @@ class WorkerPool:
 
     @classmethod
     def start(
-        cls, cfg: RolloutRecoveryConfig, num_workers: int | None = None, store=None
+        cls,
+        cfg: RolloutRecoveryConfig,
+        num_workers: int | None = None,
+        store=None,
+        slot_options: Sequence[dict[str, Any]] | None = None,
     ) -> WorkerPool:
         """Start `num_workers` (default `vllm_cfg.num_workers`) workers concurrently.
 
         With token capture on, `store` (a StagingStore) receives the chunk and terminal rows,
         and a control token is minted for the run unless the config names one. A worker that
-        fails to start takes every other one down with it.
+        fails to start takes every other one down with it. `slot_options[i]` (placement.py)
+        are added to worker i's Ray options, and to those of any replacement for it.
         """
         n = cfg.vllm_cfg.num_workers if num_workers is None else num_workers
+        if slot_options is not None and len(slot_options) != n:
+            raise ValueError(f"slot_options has {len(slot_options)} entries, not {n} workers")
         if cfg.token_capture.enabled and not cfg.token_capture.control_auth_token:
             cfg = cfg.model_copy(deep=True)
             cfg.token_capture.control_auth_token = secrets.token_urlsafe(24)
         worker_cfg = cfg.worker_config()  # a worker receives only the blocks it reads
         spec = WorkerSpec(worker_cfg.model_dump(mode="json"), store,
                           cfg.vllm_cfg.startup_timeout_s,
-                          cfg.token_capture.control_auth_token)  # fmt: skip
+                          cfg.token_capture.control_auth_token,
+                          [dict(o) for o in slot_options or []])  # fmt: skip
         actors = [_spawn(spec, i) for i in range(n)]
         try:
             infos = ray.get([a.start.remote() for a in actors], timeout=spec.startup_timeout_s)
@@ -356,12 +367,13 @@ class WorkerPool:
 
 
 def _spawn(spec: WorkerSpec, index: int) -> ray.actor.ActorHandle:
-    """A new worker actor (not started) for slot `index`, named so an operator (or a
-    failover check) can find it: `rollout-worker-<pid>-<index>-<n>` in namespace
-    `rollout_recovery`."""
+    """A new worker actor (not started) for slot `index`, placed as the slot is (its
+    `slot_options`), named so an operator (or a failover check) can find it:
+    `rollout-worker-<pid>-<index>-<n>` in namespace `rollout_recovery`."""
     cfg = WorkerConfig.from_dict(spec.config)
     name = f"rollout-worker-{os.getpid()}-{index}-{next(_SPAWNED)}"
-    options = worker_actor_options(cfg) | {"name": name, "namespace": ACTOR_NAMESPACE}
+    slot = spec.slot_options[index] if index < len(spec.slot_options) else {}
+    options = worker_actor_options(cfg) | slot | {"name": name, "namespace": ACTOR_NAMESPACE}
     return actor_class(GenerationWorker, **options).remote(spec.config, index, spec.store, name)
 
 

@@ -10,11 +10,13 @@ import time
 
 import numpy as np
 import pytest
+import ray
 
+from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.generation.pool import WorkerPool
-from rollout_recovery.protocol import EpisodeRecord
+from rollout_recovery.protocol import EpisodeRecord, environment_of, replay_key, rollout_id
 
 pytestmark = pytest.mark.engine
 MESSAGES = [{"role": "user", "content": "Count the digits: 12 34 56"}]
@@ -185,3 +187,76 @@ def test_chunk_rows_do_not_outlive_their_calls(capture_worker, tiny_cfg):
     fresh.close()
     assert store.list("rollout_staging", "sweep-b-") == kept["keys"]
     store.delete("rollout_staging", kept["keys"])
+
+
+def _owned(gid: str, count: int) -> list[int]:
+    """The first generation index of group `gid` each of `count` environments owns."""
+    owners = [environment_of(rollout_id(gid, i), count) for i in range(64)]
+    return [owners.index(k) for k in range(count)]
+
+
+def _on_actor(env: EnvironmentClient, k: int, fn):
+    """`fn(runner)` inside environment actor `k`, on its loop."""
+    ask = env.actors[k].__ray_call__.remote(lambda e: e._loop.call(fn, e.runner))
+    return ray.get(ask, timeout=60)
+
+
+def test_two_environment_actors_split_episodes_and_sweep_only_their_own_rows(
+    capture_worker, tiny_cfg
+):
+    """`placement.environment.actors=2`: each actor runs the episodes of its rollouts and the
+    client answers in one environment's order; a restore gives each actor its own records, and
+    neither actor's sweep (at the restore, at a commit) deletes the rows the other one keeps."""
+    worker, store = capture_worker
+    cfg = _cfg(tiny_cfg, "prefix", 24)
+    cfg.placement.environment.actors = 2
+    env = EnvironmentClient.start(cfg.environment_config(), WorkerPool([worker]), store, count=2)
+    try:
+        gid = "split"
+        outcomes = asyncio.run(env.run_groups([(gid, TASK)], [[3, 4, 5, 6]], 0))
+        assert [o.row.key for o in outcomes] == [replay_key(gid, i) for i in range(4)]
+        ran = [_on_actor(env, k, lambda r: sorted(r.finished)) for k in range(2)]
+        ids = [rollout_id(gid, i) for i in range(4)]
+        mine = [sorted(r for r in ids if environment_of(r, 2) == k) for k in range(2)]
+        assert ran == mine and all(ran), "each actor ran exactly its own episodes"
+        store.delete("replay", [o.row.key for o in outcomes])
+    finally:
+        env.close()
+
+    gid = "sweep-c"
+    rollouts = [rollout_id(gid, i) for i in _owned(gid, 2)]  # one per actor
+    kept = {r: [f"{r}/c1/a0/c000000", f"{r}/c1/a0/c000001"] for r in rollouts}
+    stray = [f"{r}/c0/a0/c000000" for r in rollouts]  # a finished call's rows: both owners'
+    _stray_rows(store, *[k for keys in kept.values() for k in keys], *stray)
+    records = []
+    for r in rollouts:
+        cont = {"call_id": "c1", "attempt": 0, "tokens": 4, "digest": "00", "keys": kept[r]}
+        record = {"rollout_id": r, "group_id": gid, "seed": 1, "attempt": 0, "task": TASK,
+                  "generation_index": int(r.rsplit("-g", 1)[1]), "continuation": cont}  # fmt: skip
+        records.append(EpisodeRecord.model_validate(record))
+    env = EnvironmentClient.start(cfg.environment_config(), WorkerPool([worker]), store, count=2)
+    try:
+        env.begin_restore("r-split")
+        assert env.end_restore("r-split", records) == 2
+        pending = [_on_actor(env, k, lambda r: sorted(r.pending)) for k in range(2)]
+        assert pending == [[rollouts[0]], [rollouts[1]]]
+        every = sorted(k for keys in kept.values() for k in keys)
+        assert store.list("rollout_staging", f"{gid}-") == every  # strays swept, kept kept
+
+        _stray_rows(store, *stray)  # rows of calls that ended since: the commit sweeps them
+
+        async def checkpoint():
+            cuts = await env.prepare("ckpt-split", lease_s=60)
+            committed = await env.commit("ckpt-split")
+            await env.resume("ckpt-split")
+            return cuts, committed
+
+        cuts, committed = asyncio.run(checkpoint())
+        assert cuts == {"calls_cut": 0, "calls_not_cut": {}}
+        assert sorted(rec.rollout_id for rec in committed.episodes) == sorted(rollouts)
+        assert {r: c.keys for r, c in committed.continuations.items()} == kept
+        assert committed.chunk_rows_swept == 2
+        assert store.list("rollout_staging", f"{gid}-") == every
+    finally:
+        env.close()
+        store.delete("rollout_staging", store.list("rollout_staging", f"{gid}-"))

@@ -54,12 +54,27 @@ class LocalActor:
 
 
 class FailingStore:
-    async def asnapshot(self, *args, **kwargs):
+    """Captures (inside the fences), then fails writing the files (after them)."""
+
+    async def acapture(self, *args, **kwargs):
+        return "captured"
+
+    async def awrite(self, *args, **kwargs):
         raise OSError("disk full")
 
 
-class HangingStore:
-    async def asnapshot(self, *args, **kwargs):
+class HangingStore(FailingStore):
+    """Hangs capturing (`stage="capture"`, inside the fences) or writing (after them)."""
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+
+    async def acapture(self, *args, **kwargs):
+        if self.stage == "capture":
+            await asyncio.sleep(3600)
+        return "captured"
+
+    async def awrite(self, *args, **kwargs):
         await asyncio.sleep(3600)
 
 
@@ -147,9 +162,10 @@ def test_fences_are_released_whatever_the_environment_raises_on_release(tmp_path
     assert rr.metrics.controller["release_errors"] == 1
 
 
-def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path):
+@pytest.mark.parametrize("stage", ["capture", "write"])
+def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path, stage):
     rr, fakes = _rr(tmp_path, 2, "rollout_checkpointing.attempt_timeout_s=0.3")
-    rr.store = HangingStore()
+    rr.store = HangingStore(stage)
     with pytest.raises(TimeoutError, match=r"attempt_timeout_s=0\.3; aborted, nothing published"):
         asyncio.run(rr.attempt("cadence"))
     assert all(f.begun == [1] and not f.held for f in fakes)
