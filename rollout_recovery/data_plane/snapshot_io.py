@@ -526,6 +526,7 @@ def read_manifest(fs: pafs.FileSystem, snapshot_dir: str) -> Manifest:
 
 
 _verified: set[tuple[str, str, str]] = set()
+_verified_files: set[tuple[str, str, str]] = set()  # (fs type, path, sha256) hashed and good
 _verified_lock = threading.Lock()
 
 
@@ -581,12 +582,15 @@ def check_files(fs: pafs.FileSystem, snapshot_dir: str, files: list[FileEntry]) 
 
 def verify_snapshot(fs: pafs.FileSystem, snapshot_dir: str, use_cache: bool = True) -> Manifest:
     """The manifest of a snapshot that is restorable: the manifest parses and passes its format
-    and sha256 checks, and every sidecar and data file it lists exists with its size and sha256.
+    and sha256 checks, and every sidecar and data file it lists (an incremental snapshot's
+    chain included) exists with its size and sha256.
 
     Raises SnapshotCorruptError naming the first bad file. Reading every byte is costly, so a
-    success is remembered in-process per (directory, manifest sha256): the manifest is read
-    again each call, the files are hashed at most once per process. `use_cache=False` hashes
-    them again (a restore reads every byte it trusts, whatever happened since).
+    success is remembered in-process per (directory, manifest sha256), and each data file per
+    (path, sha256): the manifest is read again each call, a file is hashed at most once per
+    process, so verifying an incremental snapshot hashes only the files it wrote itself.
+    `use_cache=False` hashes them all again (a restore reads every byte it trusts, whatever
+    happened since).
     """
     manifest = read_manifest(fs, snapshot_dir)
     key = _verified_key(fs, snapshot_dir, manifest)
@@ -597,11 +601,15 @@ def verify_snapshot(fs: pafs.FileSystem, snapshot_dir: str, use_cache: bool = Tr
         read_sidecar(fs, snapshot_dir, sidecar)
     files = manifest.body.files
     check_files(fs, snapshot_dir, files)
-    workers = max(1, min(8, len(files), os.cpu_count() or 1))
+    keys = {id(f): (fs.type_name, file_path(snapshot_dir, f), f.sha256) for f in files}
+    with _verified_lock:
+        todo = [f for f in files if not use_cache or keys[id(f)] not in _verified_files]
+    workers = max(1, min(8, len(todo), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(lambda entry: _check_file(fs, snapshot_dir, entry), files))
+        list(pool.map(lambda entry: _check_file(fs, snapshot_dir, entry), todo))
     with _verified_lock:
         _verified.add(key)
+        _verified_files.update(keys.values())
     return manifest
 
 
@@ -609,6 +617,9 @@ def _forget_verified(deleted: list[str]) -> None:
     gone = {d.rstrip("/") for d in deleted}
     with _verified_lock:
         _verified.difference_update({k for k in _verified if k[1] in gone})
+        _verified_files.difference_update(
+            {k for k in _verified_files if k[1].rsplit("/", 2)[0] in gone}
+        )
 
 
 @dataclass(frozen=True)
