@@ -419,18 +419,14 @@ class StagingStore:
         fs, root = _resolve(root_uri, filesystem)
         gate.check(f"under {root}", deadline)
         parent = self._parent_for(root_uri, fs, full_every)
-        keep_from = self._parents.get(root_uri) if full_every > 1 else None
         seq, path = new_snapshot_dir(fs, root)
         uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
         token = uuid.uuid4().hex
         refs = [
-            shard.capture.remote(
-                token,
-                parent.boundaries[i] if parent else None,
-                keep_from.boundaries[i] if keep_from and i < len(keep_from.boundaries) else None,
-            )
+            shard.capture.remote(token, parent.boundaries[i] if parent else None,
+                                 self._keep_changes_from(i))
             for i, shard in enumerate(self.shards)
-        ]
+        ]  # fmt: skip
         stats = ray.get(refs, timeout=self._timeout(deadline))
         return CapturedSnapshot(root_uri, filesystem, seq, path, uri, token, parent, stats)
 
@@ -488,6 +484,14 @@ class StagingStore:
             live_rows=sum(body.rows.values()),
         )
         return SnapshotResult(uri=c.uri, manifest=manifest)
+
+    def _keep_changes_from(self, shard: int) -> int | None:
+        """The oldest boundary a later incremental snapshot may start from on `shard`: that
+        of the oldest parent over every root this client writes to (None: no parent, the
+        shard forgets every change before this capture)."""
+        bounds = [p.boundaries[shard] for p in self._parents.values()
+                  if len(p.boundaries) == len(self.shards)]  # fmt: skip
+        return min(bounds, default=None)
 
     def _parent_for(self, root_uri: str, fs: pafs.FileSystem, full_every: int) -> _Parent | None:
         """The parent an incremental snapshot under root_uri builds on, or None: full."""

@@ -85,7 +85,10 @@ class ModelCallClient:
         self.sink, self.lineage = sink, lineage
         self.supply_prefix, self.request_token_ids = supply_prefix, request_token_ids
         self.turn_end_token_id = turn_end_token_id
-        self.client = client or httpx.AsyncClient(timeout=600)
+        # No cap on connections: every call in flight needs its own (httpx's default of 100
+        # would hold the rest back in this process, uncut and undecoded).
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = client or httpx.AsyncClient(timeout=600, limits=limits)
         self.diagnostics = CaptureDiagnostics()
         # Parent finish reasons, by (rollout, call); shared by the clients of one environment,
         # so a call moved to another worker still gets its parent's exact prefix.

@@ -237,3 +237,17 @@ def test_inspection_counts_rows_and_names_a_damaged_file_of_the_chain(make_store
     victim.unlink()
     _, summaries = list_snapshots(str(root))
     assert summaries[1].status == "damaged" and "missing" in summaries[1].problem
+
+
+def test_a_snapshot_into_another_root_keeps_the_changes_this_root_needs(make_store, tmp_path):
+    """The shards log changes once for every root: a full snapshot elsewhere must not forget
+    the changes an incremental one here still needs."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    store = make_store(1)
+    store.put("replay", replay_table(_keys("r", 100)))
+    store.snapshot(a, full_every=8)
+    store.put("replay", replay_table(_keys("s", 50)))
+    store.snapshot(b)  # full, into another root
+    inc = store.snapshot(a, full_every=8)
+    assert inc.manifest.body.base is not None
+    assert same_rows(_restored(make_store, inc.uri), capture_rows(store))
