@@ -153,6 +153,7 @@ class StagingStore:
         self.limits = limits
         self.timeout_s = timeout_s
         self._parents: dict[str, _Parent] = {}  # root URI -> its newest snapshot by this client
+        self._lease_turn = 0  # which shard a lease asks first
 
     @classmethod
     def create(
@@ -284,28 +285,25 @@ class StagingStore:
         refs = [s.list_keys.remote(partition, prefix) for s in self.shards]
         return _Plan(refs, lambda res: sorted(k for keys in res for k in keys))
 
-    def _plan_lease(
-        self, partition: str, consumer: str, max_rows: int, ttl_s: float, lease_id: str
-    ) -> _Plan:
-        """Ask every shard for its share; the lease id is shared across shards."""
+    def _check_lease(self, partition: str, consumer: str, max_rows: int, ttl_s: float):
         schema = self._check_partition(partition)
         validate_key(consumer, self.limits)
         if max_rows < 1 or ttl_s <= 0:
             raise BadInputError("lease needs max_rows >= 1 and ttl_s > 0")
-        n = len(self.shards)
-        shares = [max_rows // n + (1 if i < max_rows % n else 0) for i in range(n)]
-        refs = [
-            s.lease.remote(partition, consumer, share, ttl_s, lease_id)
-            for s, share in zip(self.shards, shares, strict=True)
-            if share
-        ]
+        return schema
 
-        def finish(tables: list) -> LeaseResult:
-            tables = [t for t in tables if t.num_rows]
-            rows = pa.concat_tables(tables) if tables else schema.empty_table()
-            return LeaseResult(lease_id, rows)
+    def _lease_order(self) -> list[ray.actor.ActorHandle]:
+        """The shards in the order a lease asks them, starting one further each time, so no
+        shard's rows wait behind another's for good."""
+        start = self._lease_turn % len(self.shards)
+        self._lease_turn += 1
+        return self.shards[start:] + self.shards[:start]
 
-        return _Plan(refs, finish)
+    @staticmethod
+    def _lease_result(schema: pa.Schema, lease_id: str, tables: list[pa.Table]) -> LeaseResult:
+        tables = [t for t in tables if t.num_rows]
+        rows = pa.concat_tables(tables) if tables else schema.empty_table()
+        return LeaseResult(lease_id, rows)
 
     def _plan_ack(self, lease_id: str) -> _Plan:
         return _Plan([s.ack.remote(lease_id) for s in self.shards], sum)
@@ -329,9 +327,20 @@ class StagingStore:
     def lease(
         self, partition: str, consumer: str, max_rows: int, ttl_s: float = 60.0
     ) -> LeaseResult:
-        """Lease up to max_rows unleased rows (oldest first per shard) until ack or ttl."""
-        plan = self._plan_lease(partition, consumer, max_rows, ttl_s, uuid.uuid4().hex)
-        return plan.wait(self.timeout_s)
+        """Lease up to max_rows unleased rows (oldest first per shard) until ack or ttl.
+
+        The shards are asked one after another, each for what is still wanted: rows are
+        placed by key hash, so an even share per shard would come back short whenever the
+        unleased rows are not spread evenly (a trainer step's few keys often are not)."""
+        schema = self._check_lease(partition, consumer, max_rows, ttl_s)
+        lease_id, tables, need = uuid.uuid4().hex, [], max_rows
+        for shard in self._lease_order():
+            ref = shard.lease.remote(partition, consumer, need, ttl_s, lease_id)
+            tables.append(ray.get(ref, timeout=self.timeout_s))
+            need -= tables[-1].num_rows
+            if need == 0:
+                break
+        return self._lease_result(schema, lease_id, tables)
 
     def ack(self, lease_id: str) -> int:
         """Consume a lease's rows; returns how many. A second ack (or an expired lease) is 0."""
@@ -363,8 +372,14 @@ class StagingStore:
     async def alease(
         self, partition: str, consumer: str, max_rows: int, ttl_s: float = 60.0
     ) -> LeaseResult:
-        plan = self._plan_lease(partition, consumer, max_rows, ttl_s, uuid.uuid4().hex)
-        return await plan.wait_async()
+        schema = self._check_lease(partition, consumer, max_rows, ttl_s)
+        lease_id, tables, need = uuid.uuid4().hex, [], max_rows
+        for shard in self._lease_order():
+            tables.append(await shard.lease.remote(partition, consumer, need, ttl_s, lease_id))
+            need -= tables[-1].num_rows
+            if need == 0:
+                break
+        return self._lease_result(schema, lease_id, tables)
 
     async def aack(self, lease_id: str) -> int:
         return await self._plan_ack(lease_id).wait_async()

@@ -436,3 +436,23 @@ def test_s3_snapshot_latest_and_restore(make_store, s3_root):
     assert StagingStore.latest(s3_root) == second.uri
     manifest_json = json.dumps(second.manifest.model_dump())
     assert "testing:testing" not in manifest_json
+
+
+def test_a_lease_takes_what_it_asks_for_however_the_keys_hash(make_store):
+    """Rows go to shards by key hash, so a trainer step's few keys may all sit on one shard;
+    a lease of 4 must still return 4 (an even share per shard returned 2)."""
+    from rollout_recovery.data_plane.shard import shard_of
+
+    store = make_store(2)
+    keys = [k for k in (f"s0001-p000/{i:03d}" for i in range(64)) if shard_of(k, 2) == 0][:4]
+    store.put("replay", replay_table(keys))
+    for _ in range(2):  # whichever shard is asked first
+        lease = store.lease("replay", "trainer", 4, ttl_s=30)
+        assert sorted(lease.rows.column("key").to_pylist()) == keys
+        store.put("replay", replay_table(keys))  # again, to lease again
+        assert store.ack(lease.lease_id) == 0  # the put took them out of the lease
+    store.put("rollout_staging", chunk_table(_keys("x", 3)))
+    half = store.lease("replay", "trainer", 2, ttl_s=30)
+    rest = store.lease("replay", "trainer", 5, ttl_s=30)
+    assert half.rows.num_rows == 2 and rest.rows.num_rows == 2
+    assert store.ack(half.lease_id) + store.ack(rest.lease_id) == 4

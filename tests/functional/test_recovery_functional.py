@@ -6,7 +6,9 @@ The user-environment check (functional_tests/env_recovery.sh) runs here as the p
 (the notes agent, two kills, local files) and the turn check (the notes agent, on S3); the
 gateway check (functional_tests/gateway_recovery.sh) runs an `openai` client harness per
 rollout through the gateway; the failover check (functional_tests/worker_failover.sh) kills
-one worker's engine, then one worker actor, in the middle of generation. The built-in
+one worker's engine, then one worker actor, in the middle of generation; the two-node check
+(functional_tests/two_node_recovery.sh) SIGKILLs a driver whose workers, store shards and
+environment actors run on both nodes of a local Ray cluster, and restores it there. The built-in
 single-turn task's prefix recovery is killed at every crash point by
 tests/functional/test_crash_campaign.py."""
 
@@ -25,6 +27,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CHECK = REPO / "functional_tests" / "recovery_check.py"
 FAILOVER = REPO / "functional_tests" / "worker_failover.py"
+TWO_NODE = REPO / "functional_tests" / "two_node_recovery.py"
 pytestmark = pytest.mark.engine
 
 
@@ -49,6 +52,10 @@ GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-token
            "--cuts", "2"]  # fmt: skip
 # Two groups of 4 calls a step; three steps, so a kill that missed its chance has another.
 FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]
+# Its defaults are the smallest size that still kills mid-generation: two steps of one group of
+# 4 calls of 128 tokens over two workers, killed once in step 1 with 3 cut calls published
+# (so cut calls on both workers), one restore.
+TWO_NODE_ARGS: list[str] = []
 RUNS = {
     # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
     # trainer checkpoint).
@@ -60,17 +67,20 @@ RUNS = {
     "gateway": GATEWAY,
     # No restart: a dead worker's calls continue on a live one (or its replacement).
     "failover": FAILOVER_ARGS,
+    # A local two-node Ray cluster; checkpoints on the local S3 server.
+    "two_node": TWO_NODE_ARGS,
 }
-SCRIPTS = {"failover": FAILOVER}
-AFTER_TURN = ("failover",)  # started once the turn check is done
+SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE}
+AFTER_TURN = ("failover", "two_node")  # started once the turn check is done
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The checks at once: they are independent jobs, each mostly waiting on its own
-    processes, so together they take far less than one after another. The failover check
-    starts once the turn check is done: with all four sharing two cores, an S3 snapshot took
-    longer than a step's generation and the turn check's kill never came."""
+    processes, so together they take far less than one after another. The failover and
+    two-node checks start once the turn check is done: with all four sharing two cores, an S3
+    snapshot took longer than a step's generation and the turn check's kill never came. (Run
+    beside the failover check, the two-node check ended before it: ~3.6 min against ~2 alone.)"""
     outs = {name: tmp_path_factory.mktemp(name) for name in RUNS}
 
     def start(name: str) -> subprocess.Popen:
@@ -109,6 +119,11 @@ def turn_run(runs) -> Path:
 @pytest.fixture(scope="module")
 def failover_run(runs) -> Path:
     return runs["failover"]
+
+
+@pytest.fixture(scope="module")
+def two_node_run(runs) -> Path:
+    return runs["two_node"]
 
 
 def _report(out: Path) -> dict:
@@ -264,3 +279,30 @@ def test_the_failover_check_fails_when_a_journal_is_corrupted(failover_run, tmp_
     lines = (tmp_path / "engine" / "steps.jsonl").read_text().splitlines()
     refused = sum(json.loads(r).get("migration.journal_refused.digest_mismatch", 0) for r in lines)
     assert refused == row["calls_on_dead_worker"] > 0
+
+
+def test_a_run_killed_on_a_two_node_cluster_restores_there_with_parity(two_node_run):
+    """Workers, store shards and environment actors on both nodes of a local Ray cluster,
+    checkpoints on S3; the driver SIGKILLed mid-generation, Ray ended its actors, and the restore
+    on the same cluster trained on the reference's batches, every cut call resumed from its
+    prefix with exactly its tail decoded (it replaced tests/cluster/test_two_node_restore.py)."""
+    report = _report(two_node_run)
+    assert report["violations"] == [] and report["fault"] is None
+    assert report["storage"] == "s3" and report["checkpoint_dir"].startswith("s3://")
+    nodes = set(report["nodes"].values())
+    assert len(nodes) == 2
+    assert set(report["placement"]) == {"reference", "killed", "restore"}
+    for phase, placed in report["placement"].items():
+        assert set(placed) == {"GenerationWorker", "StoreShard", "RolloutEnvironment"}, phase
+        for cls, p in placed.items():
+            assert set(p["nodes"]) == nodes and p["actors"] >= 2, (phase, cls, p)
+    kill, restored = report["kill"], report["restored"]
+    assert kill["step"] >= 1 and kill["recoverable_cuts"] >= 3
+    assert kill["actors_gone_s"] is not None and kill["actors_left"] == []
+    assert kill["processes_left"] == []
+    assert report["selected"] == [restored["snapshot"]] and restored["recoverable_cuts"] > 0
+    assert report["resumed_calls"] > 0 and report["restore_counts"]["restored_calls"] > 0
+    assert report["restore_counts"]["worker_resumes_refused"] == 0
+    # The resumed calls' logprobs too, bit for bit (as tests/cluster's two-node test asserted).
+    assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
+               and s["logprobs_bit_identical"] == 1.0 for s in report["steps"])  # fmt: skip
