@@ -81,6 +81,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "functional_tests"))
 
 # Before torch or vLLM are imported (engine_setup itself imports neither).
 from bench_common import (  # noqa: E402
@@ -91,6 +92,7 @@ from bench_common import (  # noqa: E402
     targets_ok,
     write_result,
 )
+from recovery_check import descendants  # noqa: E402
 
 from rollout_recovery.generation.engine_setup import CPU_ENGINE_ENV  # noqa: E402
 
@@ -821,18 +823,6 @@ class Job:
             time.sleep(0.5)
         self._reader.join(timeout=5)
         return len(self.tree) + 1
-
-
-def descendants(pid: int) -> set[int]:
-    out, frontier = set(), [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout
-        for k in map(int, kids.split()):
-            if k not in out:
-                out.add(k)
-                frontier.append(k)
-    return out
 
 
 def _alive(pid: int) -> bool:
