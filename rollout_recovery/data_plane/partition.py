@@ -93,6 +93,9 @@ class PartitionTable:
     dead_rows: int = 0
     put_log: list[tuple[int, str]] = field(default_factory=list)  # (seq, key), seq order
     delete_log: list[tuple[int, str]] = field(default_factory=list)  # (op seq, key)
+    # Changes are logged from the first capture on: before it no snapshot can be a parent, and
+    # a store never snapshotted must not keep a log of every put.
+    logging: bool = False
 
     @property
     def total_rows(self) -> int:
@@ -115,7 +118,8 @@ class PartitionTable:
                 released.append(key)
             self.index[key] = (base + i, next_seq + i)
             self.available[key] = next_seq + i
-        self.put_log.extend(zip(range(next_seq, next_seq + len(keys)), keys, strict=True))
+        if self.logging:
+            self.put_log.extend(zip(range(next_seq, next_seq + len(keys)), keys, strict=True))
         self._maybe_compact()
         return len(keys), released
 
@@ -140,7 +144,8 @@ class PartitionTable:
         for k in keys:
             if k in self.index:
                 deleted += 1
-                self.delete_log.append((op_seq, k))
+                if self.logging:
+                    self.delete_log.append((op_seq, k))
                 if self._drop(k):
                     released.append(k)
         self._maybe_compact()
@@ -172,7 +177,8 @@ class PartitionTable:
         n = 0
         for k in keys:
             if self.leased.get(k) == lease_id:
-                self.delete_log.append((op_seq, k))
+                if self.logging:
+                    self.delete_log.append((op_seq, k))
                 self._drop(k)
                 n += 1
         self._maybe_compact()
@@ -181,6 +187,9 @@ class PartitionTable:
     def capture(self, since: int | None = None) -> CapturedPartition:
         """Every row (`since` None), or only what changed since the boundary `since`: the
         rows put at or after it that are still live, and the keys deleted at or after it."""
+        if since is not None and not self.logging:
+            raise RuntimeError(f"partition {self.name!r} logged no changes since {since}")
+        self.logging = True
         if since is None:
             items = sorted(self.index.values(), key=lambda ps: ps[1])
             deleted = None
