@@ -285,7 +285,8 @@ async def bench_decode(args) -> dict:
         k = 0
         while True:
             try:
-                await asyncio.wait_for(done.wait(), args.cut_interval)
+                async with asyncio.timeout(args.cut_interval):
+                    await done.wait()
                 return
             except TimeoutError:
                 pass

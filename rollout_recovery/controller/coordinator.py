@@ -24,6 +24,7 @@ controller claimed the root, both raise OwnerFenced: the run stops at once with 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -100,27 +101,38 @@ class CheckpointCoordinator:
         self.epochs = itertools.count(1)  # fence epochs: each attempt's is newer
         self.failures_in_a_row = 0
 
-    async def cadence(self) -> None:
-        """Attempt a checkpoint every `snapshot_attempt_interval_s` until cancelled (or
-        until too many fail in a row, which raises)."""
+    async def cadence(self, stop: asyncio.Event | None = None) -> None:
+        """Attempt a checkpoint every `snapshot_attempt_interval_s` until `stop` is set or the
+        task is cancelled (or until too many fail in a row, which raises)."""
         interval = self.cfg.rollout_checkpointing.snapshot_attempt_interval_s
-        while True:
-            await asyncio.sleep(interval)
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await stop.wait()
+            if stop.is_set():
+                return
             await self.counted("cadence")
 
     async def alongside(self, work: Awaitable[T]) -> T:
         """`work`, with checkpoint attempts on the cadence until it is done (none at level
-        `none`); the cadence giving up (max_consecutive_failures) stops the run."""
+        `none`); the cadence giving up (max_consecutive_failures) stops the run.
+
+        The cadence is stopped by a flag as well as by cancellation: a cancellation that lands
+        as an awaited step finishes can be lost (Python 3.11's `asyncio.wait_for` drops it),
+        and a cadence that missed it would go on forever while the run waits for it to end."""
         work = asyncio.ensure_future(work)
         if self.cfg.rollout_recovery.target_level == "none":
             return await work
-        cadence = asyncio.ensure_future(self.cadence())
+        stop = asyncio.Event()
+        cadence = asyncio.ensure_future(self.cadence(stop))
         try:
             await asyncio.wait({work, cadence}, return_when=asyncio.FIRST_COMPLETED)
             if cadence.done():
                 cadence.result()
             return work.result()
         finally:
+            stop.set()
             cadence.cancel()
             await asyncio.gather(cadence, return_exceptions=True)
 
@@ -212,7 +224,8 @@ class CheckpointCoordinator:
 
         try:
             try:
-                cuts, records, captured = await asyncio.wait_for(fenced_steps(), timeout)
+                async with asyncio.timeout(timeout):
+                    cuts, records, captured = await fenced_steps()
             finally:
                 fence_s = time.monotonic() - t0
                 await _to_the_end(self._release(ckpt_id, epoch, fenced))
@@ -221,7 +234,8 @@ class CheckpointCoordinator:
             # published while the workers and the environment go on.
             w0 = time.monotonic()
             left = max(0.0, t0 + timeout - w0)
-            snap = await asyncio.wait_for(publish(records, captured), left)
+            async with asyncio.timeout(left):
+                snap = await publish(records, captured)
             crash_point("snapshot_taken")
             timed("write_s", w0)
         except asyncio.CancelledError:  # the cadence stopped (its work ended) mid-attempt

@@ -69,7 +69,8 @@ class WorkerSupervisor:
     async def _check(self, index: int, worker: WorkerHandle) -> str | None:
         timeout = min(self.cfg.unhealthy_after_s, 10.0)
         try:
-            health = await asyncio.wait_for(worker.ahealth(), timeout)
+            async with asyncio.timeout(timeout):
+                health = await worker.ahealth()
         except WORKER_GONE:
             return "actor_dead"
         except Exception:  # no answer: failing until unhealthy_after_s

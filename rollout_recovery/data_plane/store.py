@@ -611,7 +611,7 @@ class StagingStore:
         owner: Owner | None = None,
         full_every: int = 1,
     ) -> SnapshotResult:
-        """`snapshot` in a thread. Cancelling this coroutine (e.g. `asyncio.wait_for` timing
+        """`snapshot` in a thread. Cancelling this coroutine (e.g. a timeout running
         out) aborts the publication, since the thread itself cannot be stopped; a caller that
         must know whether the snapshot was published anyway passes a gate and calls
         `gate.abort()`."""

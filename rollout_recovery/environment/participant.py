@@ -13,6 +13,7 @@ environment has served calls, since their effects would be mixed with the restor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from enum import StrEnum
 
@@ -104,8 +105,7 @@ class CheckpointParticipant:
             self._expire()
             if self._open.is_set():
                 break
-            try:
-                await asyncio.wait_for(self._open.wait(), timeout=0.05)
-            except TimeoutError:
-                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await self._open.wait()
         self.calls_served += 1

@@ -421,8 +421,8 @@ class EpisodeRunner:
         if index in self.workers.lost:
             return self.workers.lost[index]
         try:
-            health = await asyncio.wait_for(self.workers[index].ahealth(),
-                                            self.cfg.failover.unhealthy_after_s)  # fmt: skip
+            async with asyncio.timeout(self.cfg.failover.unhealthy_after_s):
+                health = await self.workers[index].ahealth()
         except WORKER_GONE:
             cause = "actor_dead"
         except TimeoutError:
@@ -471,7 +471,8 @@ class EpisodeRunner:
                     f"failover.replacement_wait_s={self.cfg.failover.replacement_wait_s}"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._workers_changed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._workers_changed.wait()
 
     def worker_lost(self, index: int, cause: str) -> None:
         """The controller found worker `index` dead: no new call goes there."""

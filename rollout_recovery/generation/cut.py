@@ -204,7 +204,8 @@ class CutService:
             table = chunk_rows_to_table([r for _, r in batch])
             put = asyncio.ensure_future(self.store.aput(self.partition, table))
             try:
-                await asyncio.wait_for(asyncio.shield(put), remaining)
+                async with asyncio.timeout(remaining):
+                    await asyncio.shield(put)
             except TimeoutError:
                 # The put may still land: once it settles, remove what it wrote. Until then
                 # these calls are not staged again (the next row would reuse the keys).

@@ -146,7 +146,8 @@ class EngineHost:
         if self._server is not None:
             self._server.should_exit = True
             try:
-                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout=timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(self._tasks[0])
             except (TimeoutError, asyncio.CancelledError):
                 self._tasks[0].cancel()
             for task in self._tasks[1:]:

@@ -13,6 +13,7 @@ epochs 1, 2, 3, ... on a fresh worker per run, well inside the rule.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -123,10 +124,9 @@ class Fence:
 
     async def wait_released(self) -> None:
         while self.held:
-            try:
-                await asyncio.wait_for(self._released.wait(), timeout=0.5)
-            except TimeoutError:
-                continue
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await self._released.wait()
 
     def state(self) -> FenceState:
         held = self.held

@@ -93,7 +93,8 @@ class Journal:
             if self.interval_s is not None:
                 timeout = min(timeout, self.interval_s / 2)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._due.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._due.wait()
             self._due.clear()
             if time.monotonic() >= next_sample:  # the lag, on a clock (also with the journal off)
                 self.service.sample_journal_lag()

@@ -243,7 +243,8 @@ class WorkerPool:
             ray.kill(self.workers[index].actor)
         actor = _spawn(self.spec, index)
         try:
-            info = await asyncio.wait_for(actor.start.remote(), self.spec.startup_timeout_s)
+            async with asyncio.timeout(self.spec.startup_timeout_s):
+                info = await actor.start.remote()
             handle = WorkerHandle(actor, info, self.spec.control_token)
             if self.weights is not None:
                 weights_dir, version = self.weights

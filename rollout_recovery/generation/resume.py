@@ -279,8 +279,8 @@ class Resumer:
             if limit is not None and params.max_tokens is not None and limit != params.max_tokens:
                 raise ResumeRefused("limit_mismatch", f"{limit} != {params.max_tokens}")
             try:
-                fetch = self.store.aget(self.partition, keys)
-                table, missing = await asyncio.wait_for(fetch, self.fetch_timeout_s)
+                async with asyncio.timeout(self.fetch_timeout_s):
+                    table, missing = await self.store.aget(self.partition, keys)
             except Exception as err:  # a hung store times out: refused, not stuck
                 raise ResumeRefused("store_unavailable", type(err).__name__) from None
             if missing:

@@ -237,7 +237,8 @@ class GenerationWorker:
         if self._host.http_stopped():
             return WorkerHealth(healthy=False, reason="http_server_stopped", url=url)
         try:
-            await asyncio.wait_for(self._engine.check_health(), timeout=10)
+            async with asyncio.timeout(10):
+                await self._engine.check_health()
         except Exception as err:  # reported, not raised: health is a query
             return WorkerHealth(healthy=False, reason=f"engine_check_failed: {err!r}", url=url)
         return WorkerHealth(healthy=True, url=url, weight_version=self._weight_version)
@@ -249,7 +250,8 @@ class GenerationWorker:
         if self._service is not None:
             # Terminal rows of finished calls are still owed to the store.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._service.drain(), timeout=timeout_s)
+                async with asyncio.timeout(timeout_s):
+                    await self._service.drain()
         if self._host is not None:
             host, self._host, self._engine = self._host, None, None
             await host.stop(timeout_s)

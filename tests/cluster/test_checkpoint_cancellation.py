@@ -30,7 +30,8 @@ async def test_an_attempt_cancelled_while_releasing_still_reopens_admission(make
 
         env.resume = held_resume
         attempt = asyncio.ensure_future(coordinator.attempt("cadence"))
-        await asyncio.wait_for(entered.wait(), 60)  # the snapshot is published; releasing
+        async with asyncio.timeout(60):  # the snapshot is published; releasing
+            await entered.wait()
         attempt.cancel()
         go.set()
         with pytest.raises(asyncio.CancelledError):

@@ -164,7 +164,8 @@ async def test_a_timed_out_attempt_is_never_published(make_store, tmp_path, stal
         store.asnapshot(str(root), sidecars={"ledger.json": b"{}"}, deadline=deadline, gate=gate)
     )
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(asyncio.shield(task), ATTEMPT_S)
+        async with asyncio.timeout(ATTEMPT_S):
+            await asyncio.shield(task)
     assert slow.entered.is_set(), "the writer was inside the publish step at the timeout"
     if gate is not None:
         assert gate.abort()
@@ -176,7 +177,8 @@ async def test_a_timed_out_attempt_is_never_published(make_store, tmp_path, stal
 async def test_cancelling_asnapshot_aborts_its_publication(
     make_store, tmp_path, monkeypatch, stall_publish
 ):
-    """The controller's plain `wait_for(store.asnapshot(...))`: the cancellation itself aborts."""
+    """The controller's plain timeout around `store.asnapshot(...)`: the cancellation itself
+    aborts."""
     store = _filled_store(make_store)
     root = tmp_path / "snaps"
     slow = stall_publish(_manifest_tmp_write)
@@ -197,7 +199,8 @@ async def test_cancelling_asnapshot_aborts_its_publication(
     monkeypatch.setattr(StagingStore, "snapshot", snapshot)
     gate = PublishGate()
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(store.asnapshot(str(root), gate=gate), ATTEMPT_S)
+        async with asyncio.timeout(ATTEMPT_S):
+            await store.asnapshot(str(root), gate=gate)
     assert gate.abort()  # already aborted by the cancellation; still not published
     await _until(finished)
     assert [type(e) for e in errors] == [SnapshotAborted]

@@ -122,8 +122,13 @@ def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
         return await orig(reason)
 
     rr.attempt = counted
+
+    async def cadence():
+        async with asyncio.timeout(10):
+            await rr.cadence()
+
     with pytest.raises(CheckpointWriteError, match=r"3 rollout checkpoint attempts failed"):
-        asyncio.run(asyncio.wait_for(rr.cadence(), timeout=10))
+        asyncio.run(cadence())
     assert len(calls) == 3 and all(not f.held for f in fakes)
     failed = (tmp_path / "checkpoints.jsonl").read_text().splitlines()
     assert len(failed) == 3 and all("disk full" in line for line in failed)
@@ -175,3 +180,39 @@ def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path
         and rr.metrics.controller["checkpoints"] == 0
     )
     assert not (tmp_path / "data_plane").exists()
+
+
+class FinishingStore(FailingStore):
+    """Finishes the step's work (`work`) in the same loop iteration as the capture it answers:
+    the ordering under which the cadence, cancelled as the work ended, kept going (Python
+    3.11's `asyncio.wait_for` returns the result of an inner task that is already done and
+    drops the cancellation). Counts the attempts begun after the work had finished."""
+
+    def __init__(self) -> None:
+        self.work: asyncio.Future | None = None
+        self.late_attempts = 0
+
+    async def acapture(self, *args, **kwargs):
+        if self.work.done():
+            self.late_attempts += 1
+        else:
+            self.work.set_result("step done")
+        return "captured"
+
+
+def test_the_cadence_stops_when_the_work_ends_in_the_same_moment_as_a_capture(tmp_path):
+    """The restore hang of 2026-12-01: a step's episodes all finished, yet its submit never
+    returned and checkpoints went on every interval, each recording no episode."""
+    rr, fakes = _rr(tmp_path, 1000, "rollout_recovery.target_level=turn",
+                    "checkpointing.save_data_plane=true")  # fmt: skip
+    store = rr.store = FinishingStore()
+
+    async def main():
+        store.work = asyncio.get_running_loop().create_future()
+        async with asyncio.timeout(10):
+            return await rr.alongside(store.work)
+
+    assert asyncio.run(main()) == "step done"
+    assert store.late_attempts == 0
+    assert all(not f.held for f in fakes)
+    assert rr.env.actor.obj.runner.participant.state == "idle"

@@ -40,7 +40,8 @@ def test_one_call_at_a_time_per_rollout_and_named_refusals():
         first = asyncio.create_task(gateway._chat("r", dict(BODY)))
         await asyncio.sleep(0.01)
         with pytest.raises(CallRefused) as busy:  # refused at once, not queued behind it
-            await asyncio.wait_for(gateway._chat("r", dict(BODY)), timeout=5)
+            async with asyncio.timeout(5):
+                await gateway._chat("r", dict(BODY))
         assert busy.value.reason == "call_in_progress"
         held.release.set()
         reply = await first

@@ -25,7 +25,8 @@ def test_checkpoint_path_and_admission():
         p.commit("c1")
         assert p.state == ParticipantState.COMMITTED and not waiter.done()
         p.resume("c1")
-        await asyncio.wait_for(waiter, 1)
+        async with asyncio.timeout(1):
+            await waiter
         assert p.state == ParticipantState.IDLE and p.calls_served == 2
         with pytest.raises(ProtocolError):
             p.commit("c1")  # already ended
@@ -40,7 +41,8 @@ def test_an_aborted_checkpoint_reopens_and_a_lost_controller_times_out():
         p.resume("c1")  # abort before prepared: admission reopens
         assert p.state == ParticipantState.IDLE
         p.prepare("c2", lease_s=0.2)  # the controller then disappears
-        await asyncio.wait_for(p.admitted(), 2)
+        async with asyncio.timeout(2):
+            await p.admitted()
         assert p.lease_expiries == 1 and p.state == ParticipantState.IDLE
         with pytest.raises(ProtocolError):
             p.prepared("c2")
