@@ -5,6 +5,8 @@ Data flow of a step (each arrow a call across processes):
 
     submit_groups -> EnvironmentClient.run_groups -> EpisodeRunner: ModelCallClient -> worker
         (finished episodes -> `replay` rows)
+        watched meanwhile: EnvironmentClient.progress every liveness.check_interval_s
+        (controller/liveness.py: no progress for liveness.stall_timeout_s -> RunStalled)
     every snapshot_attempt_interval_s, CheckpointCoordinator.attempt:
         fence      WorkerPool.begin_fences        (workers hold terminal rows, chunk deletes)
         prepare    EnvironmentClient.prepare      (admission closed at turn boundaries)
@@ -42,13 +44,14 @@ from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
 from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.journal_restore import extend_from_journal
+from rollout_recovery.controller.liveness import watch_step
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, restore_snapshot
 from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
-from rollout_recovery.errors import RecoveryError, RestoreError
+from rollout_recovery.errors import RecoveryError, RestoreError, RunStalled
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.model_identity import (
     base_model_identity,
@@ -175,7 +178,12 @@ class RolloutRecovery:
         n = self.cfg.grpo.generations_per_prompt
         table = [[seeds(gi, i) for i in range(n)] for gi in range(len(groups))]
         work = self.env.run_groups(groups, table, self.state.weight_version)
-        out = self._loop.run(self.coordinator.alongside(work))
+        watched = watch_step(work, self.env.progress, self.cfg.liveness, self.state.step)
+        try:
+            out = self._loop.run(self.coordinator.alongside(watched))
+        except RunStalled as err:
+            self.metrics.add(f"run_stalled.{err.reason}")
+            raise
         parts = [(gid, out[gi * n : (gi + 1) * n]) for gi, (gid, _) in enumerate(groups)]
         return [GroupResult(gid, [o.row for o in part], [o.row.reward for o in part],
                             sum(o.decoded_tokens for o in part), [o.result for o in part])

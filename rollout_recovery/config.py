@@ -513,6 +513,21 @@ class FailoverConfig(_Block):
     waits for the replacement); past it the episode fails with `no_live_worker`."""
 
 
+class LivenessConfig(_Block):
+    """When a run that makes no progress stops, with a named reason, instead of waiting
+    forever (controller/liveness.py, docs/errors.md)."""
+
+    stall_timeout_s: Float | None = Field(600.0, gt=0.0)
+    """A step stops with `run_stalled.<reason>` once, for this long, its episodes made no
+    progress: no model call in flight, no `ctx.effect` running, no call started or answered and
+    no episode finished; also once episodes a restore brought back waited this long for a step
+    to take them. Raise it for episodes that wait on something slow outside `ctx.effect`; null
+    turns the watch off."""
+
+    check_interval_s: Float = Field(5.0, gt=0.0)
+    """Seconds between the controller's looks at what the episodes are doing."""
+
+
 # A Ray node id: 28 bytes in hex (`ray list nodes`, ray.get_runtime_context().get_node_id()).
 NODE_ID_PATTERN = r"[0-9a-f]{56}"
 
@@ -761,6 +776,9 @@ class RolloutRecoveryConfig(_Block):
 
     failover: FailoverConfig = FailoverConfig()
     """Worker failure detection, replacement and call migration."""
+
+    liveness: LivenessConfig = LivenessConfig()
+    """When a step that makes no progress stops instead of waiting forever."""
 
     placement: PlacementConfig = PlacementConfig()
     """Where Ray places the store shards, the environment actors and the workers (one machine or

@@ -26,6 +26,18 @@ class CheckpointWriteError(RecoveryError):
     """A checkpoint could not be written (a full or read-only disk, a lost object store)."""
 
 
+class RunStalled(RecoveryError):
+    """A step made no progress for `liveness.stall_timeout_s`; `reason` names how (counted
+    as `run_stalled.<reason>`)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # crosses Ray as itself, reason included
+        return (type(self), (self.reason, str(self)))
+
+
 def one_line(err: BaseException) -> str:
     """An exception as one line, unwrapped from Ray's task error."""
     cause = getattr(err, "cause", None) or err

@@ -398,6 +398,32 @@ class CheckpointRecords(BaseModel):
     chunk_rows_swept: int = 0  # staging rows of finished or dead calls deleted on commit
 
 
+class EnvironmentProgress(BaseModel):
+    """What an environment is doing, as the controller's liveness watch sees it
+    (controller/liveness.py): a step is moving while calls are in flight, effects run, or
+    `events` grows."""
+
+    episodes_running: int = 0  # taken by a step and not finished
+    calls_in_flight: int = 0
+    effects_running: int = 0
+    events: int = 0  # model calls started and answered, episodes finished: only ever grows
+    restored_waiting: int = 0  # restored episodes no step has taken yet
+    restored_waiting_s: float = 0.0  # how long they have waited (since the restore)
+    restored_example: str | None = None  # one of them, to name in a message
+
+    def __add__(self, other: EnvironmentProgress) -> EnvironmentProgress:
+        """Two environments' progress as one (counts summed, the longer wait kept)."""
+        return EnvironmentProgress(
+            episodes_running=self.episodes_running + other.episodes_running,
+            calls_in_flight=self.calls_in_flight + other.calls_in_flight,
+            effects_running=self.effects_running + other.effects_running,
+            events=self.events + other.events,
+            restored_waiting=self.restored_waiting + other.restored_waiting,
+            restored_waiting_s=max(self.restored_waiting_s, other.restored_waiting_s),
+            restored_example=self.restored_example or other.restored_example,
+        )
+
+
 class Ledger(BaseModel):
     """A snapshot's `ledger.json`: when it was taken, at what level, with which model, and
     the episode records a restore loads."""

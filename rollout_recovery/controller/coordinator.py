@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from rollout_recovery.config import CheckpointCoordinatorConfig
+from rollout_recovery.controller import liveness
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
 from rollout_recovery.crashpoints import crash_point
@@ -42,7 +43,7 @@ from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.ownership import Owner, OwnerFenced
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
-from rollout_recovery.errors import CheckpointWriteError, one_line
+from rollout_recovery.errors import CheckpointWriteError, RunStalled, one_line
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import CheckpointRecords, Ledger, ServedModel
 from rollout_recovery.storage import RunStorage
@@ -100,6 +101,7 @@ class CheckpointCoordinator:
         self.snapshot_root = storage.child_uri(DATA_PLANE)
         self.epochs = itertools.count(1)  # fence epochs: each attempt's is newer
         self.failures_in_a_row = 0
+        self.stop_grace_s = 30.0  # beyond attempt_timeout_s, for a stopping cadence's release
 
     async def cadence(self, stop: asyncio.Event | None = None) -> None:
         """Attempt a checkpoint every `snapshot_attempt_interval_s` until `stop` is set or the
@@ -120,7 +122,9 @@ class CheckpointCoordinator:
 
         The cadence is stopped by a flag as well as by cancellation: a cancellation that lands
         as an awaited step finishes can be lost (Python 3.11's `asyncio.wait_for` drops it),
-        and a cadence that missed it would go on forever while the run waits for it to end."""
+        and a cadence that missed it would go on forever while the run waits for it to end.
+        Should it still not end within its attempt's time, the step fails with
+        `run_stalled.checkpoint_stuck` instead of waiting."""
         work = asyncio.ensure_future(work)
         if self.cfg.rollout_recovery.target_level == "none":
             return await work
@@ -130,11 +134,28 @@ class CheckpointCoordinator:
             await asyncio.wait({work, cadence}, return_when=asyncio.FIRST_COMPLETED)
             if cadence.done():
                 cadence.result()
-            return work.result()
         finally:
-            stop.set()
-            cadence.cancel()
-            await asyncio.gather(cadence, return_exceptions=True)
+            stopped = await self._stop(cadence, stop)
+        if not stopped:
+            bound = self.cfg.rollout_checkpointing.attempt_timeout_s + self.stop_grace_s
+            raise RunStalled(
+                "checkpoint_stuck",
+                f"step {self.state.step} stalled (run_stalled.checkpoint_stuck): its work ended "
+                f"but the checkpoint in progress did not end within {bound:g} s "
+                "(rollout_checkpointing.attempt_timeout_s plus the release); see "
+                f"{CHECKPOINT_LOG}. {liveness.NEXT}",
+            )
+        return work.result()
+
+    async def _stop(self, cadence: asyncio.Future, stop: asyncio.Event) -> bool:
+        """Stop the cadence (flag and cancellation); whether it ended in time."""
+        stop.set()
+        cadence.cancel()
+        bound = self.cfg.rollout_checkpointing.attempt_timeout_s + self.stop_grace_s
+        done, _ = await asyncio.wait({cadence}, timeout=bound)
+        if done and not cadence.cancelled():
+            cadence.exception()  # retrieved: the work's outcome is what the step reports
+        return bool(done)
 
     async def counted(self, reason: str) -> dict | None:
         """One attempt, counted with every other: a failure is logged and returns None until

@@ -13,7 +13,7 @@ and merges the answers, so its callers see one environment:
 - `prepare`, `commit`: concurrently on all; cut counts summed, episode records and
   continuations joined, swept rows summed;
 - `end_restore`: each actor gets the records of its own rollouts; the unfinished counts are
-  summed; `counters`: summed by name;
+  summed; `counters`: summed by name; `progress`: summed (controller/liveness.py);
 - `resume`, `begin_restore`, `worker_lost`, `worker_replaced`, `close`: on all, and a failure
   of one is raised only after every actor was called;
 - `start_gateway`: one actor only (the gateway serves one environment's episodes).
@@ -36,6 +36,7 @@ from rollout_recovery.errors import RecoveryError
 from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
 from rollout_recovery.protocol import (
     CheckpointRecords,
+    EnvironmentProgress,
     EpisodeOutcome,
     EpisodeRecord,
     environment_of,
@@ -184,6 +185,10 @@ class EnvironmentClient:
         await self._all(self._refs("worker_replaced", index, handle))
 
     # ---------------------------------------------------------------- reporting, shutdown
+
+    async def progress(self) -> EnvironmentProgress:
+        """What every environment's episodes are doing now, as one."""
+        return sum(await self._all(self._refs("progress")), EnvironmentProgress())
 
     def counters(self) -> dict[str, int]:
         total: Counter[str] = Counter()

@@ -22,7 +22,12 @@ from rollout_recovery.environment.gateway_backend import EpisodeGateway, Standal
 from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.gateway import GatewayServer, create_app
 from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
-from rollout_recovery.protocol import CheckpointRecords, EpisodeOutcome, EpisodeRecord
+from rollout_recovery.protocol import (
+    CheckpointRecords,
+    EnvironmentProgress,
+    EpisodeOutcome,
+    EpisodeRecord,
+)
 from rollout_recovery.runtime import LoopThread
 
 
@@ -106,6 +111,10 @@ class RolloutEnvironment:
     def worker_replaced(self, index: int, handle: WorkerHandle) -> None:
         """A replacement on the current weights serves slot `index` from now on."""
         self._loop.run(self.runner.worker_replaced(index, handle))
+
+    def progress(self) -> EnvironmentProgress:
+        """What the episodes are doing now (the controller's liveness watch)."""
+        return self._loop.call(self.runner.progress)
 
     def counters(self) -> dict[str, int]:
         return self._loop.call(self.runner.diagnostics) | dict(self.refused)

@@ -60,6 +60,7 @@ from rollout_recovery.protocol import (
     CheckpointRecords,
     Continuation,
     CutInventory,
+    EnvironmentProgress,
     EpisodeOutcome,
     environment_of,
     replay_key,
@@ -139,6 +140,8 @@ class EpisodeRunner:
         self.gateway_url: str | None = None  # set when the environment serves a gateway
         self.gateway_token: str | None = None
         self.counts: Counter[str] = Counter()
+        self.events = 0  # calls started and answered, episodes finished (the liveness watch's)
+        self.restored_at = 0.0  # when the restored episodes in `pending` were loaded
 
     # ------------------------------------------------------------------ episodes
 
@@ -287,6 +290,7 @@ class EpisodeRunner:
         finally:
             self.episodes.pop(st.rollout_id, None)
             self.contexts.pop(st.rollout_id, None)
+            self.events += 1
         return EpisodeOutcome(row, st.decoded, result)
 
     def serve_gateway(self, url: str, token: str) -> None:
@@ -344,6 +348,7 @@ class EpisodeRunner:
         # records the restored continuation, and from then until it ends the sweep keeps the
         # rows the worker resumes it from.
         await self.participant.admitted()
+        self.events += 1
         st.continuation = None
         self.migrated.discard(st.rollout_id)
         self.migrating.pop(st.rollout_id, None)
@@ -378,6 +383,7 @@ class EpisodeRunner:
         finally:
             self.inflight.pop(st.rollout_id, None)
             self.resuming.pop(st.rollout_id, None)
+            self.events += 1
         n = len(res.entry.generated_token_ids)
         resumed = cont is not None and cont.cut
         st.decoded += n - (cont.tokens if resumed else 0)
@@ -575,8 +581,22 @@ class EpisodeRunner:
         """Take a restored snapshot's episodes (pending until their step runs)."""
         await self.sweep([ep.continuation for ep in episodes], set())
         self.pending = {ep.rollout_id: ep for ep in episodes}
+        self.restored_at = time.monotonic()
         self.participant.restored(restore_id)
         return len(self.pending)
+
+    def progress(self) -> EnvironmentProgress:
+        """What this environment is doing now (the controller's liveness watch)."""
+        waiting = next(iter(self.pending), None)
+        return EnvironmentProgress(
+            episodes_running=len(self.episodes),
+            calls_in_flight=len(self.inflight),
+            effects_running=sum(1 for c in self.contexts.values() if c.effect_id is not None),
+            events=self.events,
+            restored_waiting=len(self.pending),
+            restored_waiting_s=time.monotonic() - self.restored_at if waiting else 0.0,
+            restored_example=waiting,
+        )
 
     def diagnostics(self) -> dict[str, int]:
         """Counts of this environment: episodes and tokens restored, and the model clients'

@@ -17,7 +17,9 @@ logged: a large gap means the workers served other weights than the trainer hold
 
 Restore (`restore=True`) is decided from files before anything starts (restore.py): the newest
 usable snapshot, its trainer checkpoint verified and of the same weights, the same base model.
-A refusal is a `RecoveryError` with one line; nothing is deleted. Then the driver claims the
+A refusal is a `RecoveryError` with one line; nothing is deleted. A snapshot holding
+unfinished episodes that the first restored step would not run (other grpo settings) is
+refused too: they would wait for a step that never comes. Then the driver claims the
 run's snapshot root (data_plane/ownership.py: a new owner epoch, so an older controller still
 running can no longer publish or delete snapshots) and, if a snapshot was published between
 the choice and the claim, chooses again; the chosen snapshot is restored after the claim. A
@@ -58,6 +60,7 @@ from rollout_recovery.errors import (
     RecoveryError,
     RestoreError,
     RunExistsError,
+    RunStalled,
 )
 from rollout_recovery.imports import load_callable
 from rollout_recovery.model_identity import base_model_identity, resolve_model_path
@@ -230,7 +233,29 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
             + (f" (step {step}'s log line, lost to a crash, was written from its trainer "
                "checkpoint)" if repaired else "")
         )  # fmt: skip
+    _check_claimed(cfg, choice, step)
     return RestorePlan(choice, step, choice.extra.get("meta"), choice.extra.get("state"))
+
+
+def _check_claimed(cfg: RolloutRecoveryConfig, choice: SnapshotChoice, step: int) -> None:
+    """Every unfinished episode of the snapshot belongs to a group the first restored step
+    submits: one it does not would wait for a step that never comes (a restore that hands
+    episodes to no one), so the restore is refused before anything starts."""
+    g = cfg.grpo
+    groups = {group_id(step, i) for i in range(g.prompts_per_step)}
+    n = g.generations_per_prompt
+    orphans = [
+        e for e in choice.ledger.episodes if e.group_id not in groups or e.generation_index >= n
+    ]
+    if orphans:
+        e = orphans[0]
+        raise RestoreError(
+            f"snapshot {choice.snapshot} holds {len(orphans)} unfinished episodes that step "
+            f"{step} would not run (e.g. {e.rollout_id}: generation {e.generation_index} of "
+            f"group {e.group_id}, with grpo.prompts_per_step={g.prompts_per_step} and "
+            f"grpo.generations_per_prompt={g.generations_per_prompt}); restore with the grpo "
+            "settings the run was started with (nothing was deleted)"
+        )
 
 
 def _prune_trainer_checkpoints(storage: RunStorage, keep_latest_k: int) -> None:
@@ -341,7 +366,13 @@ def train(
                                 plan.choice.ledger.model.weights_sha256)  # fmt: skip
         bar = tqdm(range(start, g.steps), desc="grpo", unit="step", initial=start, total=g.steps)
         for step in bar:
-            record = _train_step(cfg, rr, storage, model, opt, step, weights_dir)
+            try:
+                record = _train_step(cfg, rr, storage, model, opt, step, weights_dir)
+            except RunStalled as err:  # the run stops; the step log says why
+                event = {"event": "stalled", "step": step, "reason": err.reason,
+                         "error": str(err)}  # fmt: skip
+                storage.append_line(STEPS_LOG, json.dumps(event))
+                raise
             history.append(record)
             bar.write(_step_line(record))
     finally:

@@ -16,7 +16,7 @@ from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunSt
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
-from rollout_recovery.errors import CheckpointWriteError
+from rollout_recovery.errors import CheckpointWriteError, RunStalled
 from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
 from rollout_recovery.storage import RunStorage
 
@@ -216,3 +216,34 @@ def test_the_cadence_stops_when_the_work_ends_in_the_same_moment_as_a_capture(tm
     assert store.late_attempts == 0
     assert all(not f.held for f in fakes)
     assert rr.env.actor.obj.runner.participant.state == "idle"
+
+
+class StuckEnv(LocalActor):
+    """An environment whose release (reopening admission) never answers."""
+
+    def __getattr__(self, name):
+        if name == "resume":
+
+            class Stuck:
+                def remote(self, ckpt):
+                    return asyncio.Event().wait()
+
+            return Stuck()
+        return super().__getattr__(name)
+
+
+def test_a_cadence_that_cannot_stop_fails_the_step_with_a_named_reason(tmp_path):
+    rr, _ = _rr(tmp_path, 1000, "rollout_recovery.target_level=turn",
+                "checkpointing.save_data_plane=true",
+                "rollout_checkpointing.attempt_timeout_s=0.2")  # fmt: skip
+    rr.env = EnvironmentClient(StuckEnv(rr.env.actor.obj))
+    rr.stop_grace_s = 0.3
+
+    async def main():
+        async with asyncio.timeout(10):
+            return await rr.alongside(asyncio.sleep(0.1, "step done"))
+
+    with pytest.raises(RunStalled) as err:
+        asyncio.run(main())
+    assert err.value.reason == "checkpoint_stuck"
+    assert "run_stalled.checkpoint_stuck" in str(err.value) and "train --restore" in str(err.value)
