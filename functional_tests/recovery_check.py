@@ -56,6 +56,15 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 CLI = [str(REPO / ".venv" / "bin" / "rollout-recovery"), "train"]
 
+from processes import (  # noqa: E402
+    MARK_ENV,
+    alive_own,
+    descendants,
+    mark_this_check,
+    owned,
+    signal_own,
+)
+
 from rollout_recovery.campaign import engine_evidence as evidence  # noqa: E402
 from rollout_recovery.campaign.crash_points import (  # noqa: E402
     batch,
@@ -127,26 +136,62 @@ def device_overrides(args) -> list[str]:
     return out
 
 
-def run(cmd: list[str], log: Path, env: dict | None = None) -> None:
-    """Run a phase to completion; its log is kept beside the report."""
+def run(args, cmd: list[str], log: Path, phase: str, run_dir: str, env: dict | None = None):
+    """Run a phase to completion (at most --phase-timeout s); its log is kept beside the
+    report. A phase that fails or is stuck says what the run was doing."""
+    before = len(checkpoint_records(run_dir))
     with open(log, "w") as fh:
-        proc = subprocess.run(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, check=False, env=env
-        )
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            proc.wait(timeout=args.phase_timeout)
+        except subprocess.TimeoutExpired:
+            stop_run(proc)
+            sys.exit(f"FAIL: {phase} stuck: not finished after {args.phase_timeout:g} s; "
+                     f"{run_state(run_dir, log, before)}")  # fmt: skip
     if proc.returncode != 0:
-        sys.exit(f"FAIL: {' '.join(cmd[:3])} exited {proc.returncode}; see {log}")
+        sys.exit(f"FAIL: {phase} ({' '.join(cmd[:3])}) exited {proc.returncode}; "
+                 f"{run_state(run_dir, log, before)}")  # fmt: skip
 
 
-def descendants(pid: int) -> set[int]:
-    out, frontier = set(), [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = subprocess.run(["pgrep", "-P", str(p)], capture_output=True, text=True).stdout
-        for k in map(int, kids.split()):
-            if k not in out:
-                out.add(k)
-                frontier.append(k)
-    return out
+def stop_run(proc: subprocess.Popen) -> None:
+    """SIGKILL a run this check started (its process group and every process under it) and
+    reap it."""
+    tree = descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        signal_own(tree, signal.SIGKILL, pgid=proc.pid)
+    proc.wait()
+
+
+def checkpoint_records(run_dir: str) -> list[dict]:
+    """The run's checkpoint log (`checkpoints.jsonl`), oldest first; empty before it exists."""
+    from rollout_recovery.storage import RunStorage
+
+    try:
+        return [json.loads(ln) for ln in RunStorage(run_dir).read_lines("checkpoints.jsonl")]
+    except Exception:  # not written yet (or unreadable: a report says so below)
+        return []
+
+
+def run_state(run_dir: str, log: Path, records_before: int) -> str:
+    """What a run was doing, for a failure message: its last checkpoint record (how many this
+    phase wrote: those after the first `records_before`), what it recorded in flight, and the
+    run's last output line."""
+    records = checkpoint_records(run_dir)
+    parts = []
+    if records:
+        last = records[-1]
+        name = snapshot_name(last["checkpoint"]) if last.get("checkpoint") else None
+        keys = ("reason", "step", "episodes_recorded", "calls_cut", "calls_not_cut", "failed")
+        what = {k: last[k] for k in keys if last.get(k) is not None}
+        parts.append(f"{len(records) - records_before} checkpoints in this phase, the last "
+                     f"{name} {what}")  # fmt: skip
+    else:
+        parts.append("no checkpoint record")
+    text = log.read_text(errors="replace").replace("\r", "\n") if log.exists() else ""
+    tail = [ln for ln in text.splitlines() if ln.strip()][-1:]
+    parts.append(f"its last output: {tail[0][-300:]!r}" if tail else "no output")
+    return "; ".join(parts)
 
 
 def recoverable(args, snapshot_uri: str) -> tuple[int, dict]:
@@ -181,8 +226,11 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     the engines, read what they decoded, freeze everything, SIGKILL, check no survivors."""
     from rollout_recovery.data_plane.snapshot_io import published_uris
 
-    log = open(args.out / f"phase{k}.log", "w")  # noqa: SIM115 - open for the child's lifetime
+    log_path = args.out / f"phase{k}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - open for the child's lifetime
     restore = ["--restore"] if k > 1 else []
+    what = f"phase {k} (`train{' --restore' if restore else ''}`)"
+    before = len(checkpoint_records(run_dir))
     proc = subprocess.Popen(
         [*CLI, *restore, "--config", config(args), *overrides(args, run_dir)],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
@@ -191,6 +239,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     deadline = time.monotonic() + args.timeout
     chosen, kill_at, delay, next_scan = None, None, 0.0, 0.0
     tree: set[int] = set()
+    foreign: set[int] = set()  # pids once in the tree, another's process by the signal
 
     def newest_if_ready() -> dict | None:
         """The newest published snapshot, if it holds enough recoverable items: the one a
@@ -205,13 +254,15 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
         return {"snapshot": uris[-1], "recoverable_cuts": n, "step": ledger["step"],
                 "ledger": ledger}  # fmt: skip
 
+    want = f"snapshot of step >= {min_step} with {args.cuts} recoverable items"
     while chosen is None:
         if proc.poll() is not None:
-            raise NoKillChance(f"phase {k} finished before {args.cuts} recoverable items of "
-                               f"step >= {min_step} were published")  # fmt: skip
+            raise NoKillChance(f"{what} exited {proc.returncode} before a {want} was published; "
+                               f"{run_state(run_dir, log_path, before)}")  # fmt: skip
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            sys.exit(f"FAIL: phase {k}: no snapshot with enough recoverable items in time")
+            stop_run(proc)
+            sys.exit(f"FAIL: {what} stuck: no {want} within {args.timeout:g} s; "
+                     f"{run_state(run_dir, log_path, before)}")  # fmt: skip
         if time.monotonic() >= next_scan:  # pgrep per process: not on every poll
             tree |= descendants(proc.pid)
             next_scan = time.monotonic() + 1.0
@@ -226,33 +277,35 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             workers = current_workers(run_dir, tree)
             # Freeze everything but the worker actors (they answer the read below): no token
             # is decoded and no snapshot is published from here on.
-            _signal_all(None, ({proc.pid} | tree) - {w["pid"] for w in workers}, signal.SIGSTOP)
+            others = ({proc.pid} | tree) - {w["pid"] for w in workers}
+            foreign.update(signal_own(others, signal.SIGSTOP))
             frozen_at = time.time()
             time.sleep(0.1)  # outputs already sent reach the workers' counters
             before = read_engine_records(workers, args.token)
             # Freeze the run, then decide on what is published now: nothing newer can
             # appear before the kill, so the next phase restores exactly the chosen snapshot.
-            _signal_all(proc.pid, tree, signal.SIGSTOP)
+            foreign.update(signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
             chosen = newest_if_ready()
             if chosen is None:  # a newer snapshot without enough items: wait for the next
-                _signal_all(proc.pid, tree, signal.SIGCONT)
+                foreign.update(signal_own(tree, signal.SIGCONT, pgid=proc.pid))
                 kill_at = None
                 continue
             since = frozen_at - snapshot_time(chosen["snapshot"])
             chosen |= {"engine_before": before, "kill_delay_s": delay, "after_snapshot_s": since}
         time.sleep(0.05)
     tree |= descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
+    foreign.update(signal_own(tree, signal.SIGKILL, pgid=proc.pid))
     proc.wait()
     survivors = set()
     for _ in range(60):
-        survivors = {p for p in tree if Path(f"/proc/{p}").exists() and not _zombie(p)}
+        survivors = {p for p in tree if alive_own(p)}
         if not survivors:
             break
         time.sleep(0.5)
     if survivors:
         sys.exit(f"FAIL: processes survived the SIGKILL of phase {k}: {sorted(survivors)}")
     chosen["processes_killed"] = len(tree) + 1
+    chosen["pids_not_ours"] = sorted(foreign)  # reused by another's process: left alone
     chosen["finished_keys"] = sorted(snapshot_keys(chosen["snapshot"], "replay"))
     return chosen
 
@@ -265,6 +318,9 @@ def current_workers(run_dir: str, tree: set[int]) -> list[dict]:
     workers = json.loads(RunStorage(run_dir).read_bytes("workers.json"))["workers"]
     if not workers or any(w["pid"] not in tree for w in workers):
         sys.exit("FAIL: workers.json does not name this phase's workers")
+    if not all(owned(p) for w in workers for p in (w["pid"], *w["engine_pids"])):
+        sys.exit(f"FAIL: this phase's workers do not carry this check's mark ({MARK_ENV}): "
+                 "its signals would not reach them")  # fmt: skip
     return workers
 
 
@@ -303,21 +359,6 @@ def snapshot_time(uri: str) -> float:
     from rollout_recovery.data_plane import StagingStore
 
     return datetime.fromisoformat(StagingStore.manifest(uri).body.created_at).timestamp()
-
-
-def _signal_all(pgid: int | None, pids: set[int], sig: int) -> None:
-    if pgid is not None:
-        os.killpg(pgid, sig)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except OSError:
-        return False
 
 
 def child(uri: str, name: str) -> str:
@@ -504,16 +545,15 @@ COLUMNS = (
 def start_s3() -> tuple[object, str]:
     """A local S3 server (moto) on 127.0.0.1 and the URI prefix of a bucket on it."""
     import logging
-    import socket
 
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0: the server binds a free port itself (a port probed first could be taken by a
+    # check running beside this one before the server binds it).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    _, port = server.get_host_and_port()
     options = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
     return (
         server,
@@ -546,7 +586,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per call (default: by level and environment)")  # fmt: skip
     ap.add_argument("--interval", type=float, default=0.4)
-    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="s a killed phase may take to publish its kill's snapshot")  # fmt: skip
+    ap.add_argument("--phase-timeout", type=float, default=900,
+                    help="s the reference run and the last phase may take")  # fmt: skip
     ap.add_argument("--seed", type=int, default=None, help="kill delays (default: random)")
     ap.add_argument("--min-identical-logprobs", type=float, default=MIN_IDENTICAL_LOGPROBS,
                     help="least share of bit-identical generation logprobs per step")  # fmt: skip
@@ -563,6 +606,7 @@ def main() -> int:
     ap.add_argument("--gpu", action="store_true", help="run the engines on CUDA")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
+    mark_this_check()  # every run it starts carries it: signals reach only those (processes.py)
     if args.max_tokens is None:  # three turns of a multi-turn environment fit 1024 tokens
         args.max_tokens = 96 if args.level == "turn" else 384 if args.env == "tally" else 192
     if args.seed is None:
@@ -612,7 +656,14 @@ def fault_env(args) -> dict | None:
 
 def last_phase(args, rec_dir: str, k: int) -> None:
     cmd = [*CLI, "--restore", "--config", config(args), *overrides(args, rec_dir)]
-    run(cmd, args.out / f"phase{k}.log", env=fault_env(args))
+    run(
+        args,
+        cmd,
+        args.out / f"phase{k}.log",
+        f"phase {k} (`train --restore`, the last)",
+        rec_dir,
+        env=fault_env(args),
+    )
 
 
 def check(args, ref_dir: str, rec_dir: str) -> int:
@@ -620,7 +671,13 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
 
     args.max_turns = load_config(config(args), overrides(args, ref_dir)).environment.max_turns
     t0 = time.monotonic()
-    run([*CLI, "--config", config(args), *overrides(args, ref_dir)], args.out / "reference.log")
+    run(
+        args,
+        [*CLI, "--config", config(args), *overrides(args, ref_dir)],
+        args.out / "reference.log",
+        "the reference run",
+        ref_dir,
+    )
     args.reference_s = time.monotonic() - t0
     kills = []
     for k, min_step in enumerate(kill_steps(args), start=1):
@@ -760,6 +817,7 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         "recovered_dir": rec_dir,
         "reference_s": args.reference_s,
         "phase1_retries": args.phase1_retries,
+        "mark": os.environ[MARK_ENV],  # its processes' (functional_tests/processes.py)
         "kills": [
             {k: v for k, v in killed.items() if k not in ("ledger", "engine_before")}
             for killed in kills

@@ -53,6 +53,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recovery_check as rc
+from processes import alive_own, descendants, mark_this_check, signal_own
 
 from rollout_recovery.campaign import engine_evidence as evidence
 from rollout_recovery.campaign.crash_points import (
@@ -197,10 +198,6 @@ def phase_workers(run_dir: str, started_ns: int) -> list[dict] | None:
     return body["workers"]
 
 
-def alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and not rc._zombie(pid)
-
-
 def kill_phase(args, run_dir: str) -> dict:
     """Run the job until a published snapshot of trainer step >= --kill-step holds --cuts
     recoverable cuts; SIGKILL its driver's process group; wait until Ray has ended the job's
@@ -235,7 +232,7 @@ def kill_phase(args, run_dir: str) -> dict:
             else:
                 time.sleep(0.1)
         job = job_of(proc.pid)
-        tree = rc.descendants(proc.pid)
+        tree = descendants(proc.pid)
         killed_at, killed_wall = time.monotonic(), time.time()
         os.killpg(proc.pid, signal.SIGKILL)
     except BaseException:
@@ -257,12 +254,10 @@ def kill_phase(args, run_dir: str) -> dict:
     pids = {a["pid"] for a in live if a["pid"]} | tree
     for w in workers or phase_workers(run_dir, started_ns) or []:
         pids |= {w["pid"], *w["engine_pids"]}
-    while any(alive(p) for p in pids) and time.monotonic() - killed_at < 120:
+    while any(alive_own(p) for p in pids) and time.monotonic() - killed_at < 120:
         time.sleep(0.1)
-    left = sorted(p for p in pids if alive(p))
-    for pid in left:  # reported below; not left running
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    left = sorted(p for p in pids if alive_own(p))
+    signal_own(left, signal.SIGKILL)  # reported below; not left running
     return ready | {
         "job": job,
         "run_s": killed_at - t0,
@@ -509,6 +504,7 @@ def main() -> int:
                          "must then fail")  # fmt: skip
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
+    mark_this_check()  # before the cluster starts: its processes carry it (processes.py)
     if args.kill_step >= args.steps:
         sys.exit(f"FAIL: --kill-step {args.kill_step} needs --steps > {args.kill_step}")
     args.level, args.kill_retries = "prefix", 0  # what recovery_check's helpers read

@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import recovery_check as rc
+from processes import mark_this_check, signal_own
 
 REPO = rc.REPO
 CONFIG = REPO / "configs" / "prefix_recovery.yaml"
@@ -137,27 +138,22 @@ def kill_run(args, kind: str) -> dict:
             busy = [r for r in in_flight(records)
                     if r["prefix_tokens"] + r["decoded_tokens"] > floor]  # fmt: skip
             if len(busy) >= args.min_calls:
-                for pid in target["engine_pids"]:
-                    os.kill(pid, signal.SIGSTOP)
+                signal_own(target["engine_pids"], signal.SIGSTOP)
                 frozen = in_flight(drained(target, args))
                 if len(frozen) >= args.min_calls:
                     before = frozen
                     break
                 # The engine core had run ahead of the worker's output processing: the calls
                 # finished from outputs already sent. Thaw it and wait for the next chance.
-                for pid in target["engine_pids"]:
-                    os.kill(pid, signal.SIGCONT)
+                signal_own(target["engine_pids"], signal.SIGCONT)
         time.sleep(0.05)
     killed_at = time.time()
     if kind == "engine":
-        for pid in target["engine_pids"]:
-            os.kill(pid, signal.SIGKILL)
+        signal_own(target["engine_pids"], signal.SIGKILL)
     else:
         ray.kill(ray.get_actor(target["actor_name"], namespace="rollout_recovery"))
         time.sleep(0.5)
-        for pid in target["engine_pids"]:  # stopped: it cannot see its parent die
-            if Path(f"/proc/{pid}").exists():
-                os.kill(pid, signal.SIGKILL)
+        signal_own(target["engine_pids"], signal.SIGKILL)  # stopped: it cannot see its parent die
     try:
         code = proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -268,6 +264,7 @@ def main() -> int:
                     "killed runs: the check must then fail")  # fmt: skip
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
+    mark_this_check()  # the runs it starts carry it: signals reach only those (processes.py)
     args.out.mkdir(parents=True, exist_ok=True)
     args.token = os.urandom(12).hex()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

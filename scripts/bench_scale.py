@@ -92,7 +92,7 @@ from bench_common import (  # noqa: E402
     targets_ok,
     write_result,
 )
-from recovery_check import descendants  # noqa: E402
+from processes import alive_own, descendants, mark_this_check, signal_own  # noqa: E402
 
 from rollout_recovery.generation.engine_setup import CPU_ENGINE_ENV  # noqa: E402
 
@@ -814,22 +814,13 @@ class Job:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         for _ in range(60):
-            left = {p for p in self.tree if _alive(p)}
+            left = {p for p in self.tree if alive_own(p)}
             if not left:
                 break
-            for p in left:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p, signal.SIGKILL)
+            signal_own(left, signal.SIGKILL)
             time.sleep(0.5)
         self._reader.join(timeout=5)
         return len(self.tree) + 1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def read_workers(run_dir: Path) -> dict | None:
@@ -1213,6 +1204,7 @@ def main() -> int:
             s4_tokens=256,
         )
         args = ap.parse_args()
+    mark_this_check()  # the runs it kills carry it (functional_tests/processes.py)
     t0 = time.perf_counter()
     load_start = os.getloadavg()
     args.sections = set(_ints(args.sections))

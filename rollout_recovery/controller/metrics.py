@@ -6,7 +6,8 @@
 
 - controller: `checkpoints`, `checkpoint_failures`, `fence_hold_s`, `release_errors`,
   `worker_failures.<cause>`, `workers_replaced`, `worker_replacement_s`,
-  `worker_replacement_failures` (docs/failover.md);
+  `worker_replacement_failures` (docs/failover.md), `run_stalled.<reason>` (a step that made
+  no progress, docs/errors.md);
 - environment: `restored_episodes`, `restored_calls`, `restored_prefix_tokens`,
   `restored_turn_tokens`, `tail_tokens`, `regenerated_tokens`, `effects.executed` and
   `effects.replayed` (episode effects run, and answered from a journal),

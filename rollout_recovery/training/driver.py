@@ -248,11 +248,11 @@ def _check_claimed(cfg: RolloutRecoveryConfig, choice: SnapshotChoice, step: int
         e for e in choice.ledger.episodes if e.group_id not in groups or e.generation_index >= n
     ]
     if orphans:
-        e = orphans[0]
+        e, many = orphans[0], "s" if len(orphans) > 1 else ""
         raise RestoreError(
-            f"snapshot {choice.snapshot} holds {len(orphans)} unfinished episodes that step "
-            f"{step} would not run (e.g. {e.rollout_id}: generation {e.generation_index} of "
-            f"group {e.group_id}, with grpo.prompts_per_step={g.prompts_per_step} and "
+            f"snapshot {choice.snapshot} holds {len(orphans)} unfinished episode{many} that "
+            f"step {step} would not run (e.g. {e.rollout_id}: generation {e.generation_index} "
+            f"of group {e.group_id}, with grpo.prompts_per_step={g.prompts_per_step} and "
             f"grpo.generations_per_prompt={g.generations_per_prompt}); restore with the grpo "
             "settings the run was started with (nothing was deleted)"
         )

@@ -47,16 +47,13 @@ def local_s3(bucket: str, prefix: str) -> Iterator[str]:
     """A moto S3 server on 127.0.0.1 for the block; yields `s3://bucket/prefix` with the
     credentials and endpoint options pyarrow needs (the bucket is created on first write)."""
     import logging
-    import socket
 
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # binds a free port
     server.start()
+    _, port = server.get_host_and_port()
     try:
         yield (f"s3://testing:testing@{bucket}/{prefix}?endpoint_override=127.0.0.1:{port}"
                "&scheme=http&region=us-east-1&allow_bucket_creation=true")  # fmt: skip

@@ -15,9 +15,12 @@ tests/functional/test_crash_campaign.py."""
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,9 @@ import pyarrow as pa
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "functional_tests"))
+import processes  # noqa: E402
+
 CHECK = REPO / "functional_tests" / "recovery_check.py"
 FAILOVER = REPO / "functional_tests" / "worker_failover.py"
 TWO_NODE = REPO / "functional_tests" / "two_node_recovery.py"
@@ -82,22 +88,39 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     snapshot took longer than a step's generation and the turn check's kill never came. (Run
     beside the failover check, the two-node check ended before it: ~3.6 min against ~2 alone.)"""
     outs = {name: tmp_path_factory.mktemp(name) for name in RUNS}
+    # Each check's own mark: its processes (Ray, engines, actors) inherit it, and it signals
+    # only processes carrying it (functional_tests/processes.py).
+    marks = {name: f"suite-{name}-{secrets.token_hex(4)}" for name in RUNS}
 
     def start(name: str) -> subprocess.Popen:
         small = [] if name in SCRIPTS else SMALL
         script = SCRIPTS.get(name, CHECK)
         cmd = [sys.executable, str(script), "--out", str(outs[name]), *RUNS[name], *small]
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env = os.environ | {processes.MARK_ENV: marks[name]}
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)  # fmt: skip
+
+    def finish(name: str, proc: subprocess.Popen) -> str:
+        try:
+            return proc.communicate(timeout=1500)[0]
+        except subprocess.TimeoutExpired:  # the check's own timeouts failed to end it
+            killed = processes.kill_marked(marks[name])
+            output = proc.communicate()[0]
+            return f"{output}\nthe {name} check ran past 1500 s; {killed} processes killed"
 
     procs = {name: start(name) for name in RUNS if name not in AFTER_TURN}
-    outputs = {"turn": procs["turn"].communicate(timeout=1500)[0]}
+    outputs = {"turn": finish("turn", procs["turn"])}
     procs |= {name: start(name) for name in AFTER_TURN}
     failed = {}
     for name, proc in procs.items():
-        output = outputs.get(name) or proc.communicate(timeout=1500)[0]
+        output = outputs.get(name) or finish(name, proc)
         if proc.returncode != 0:
             failed[name] = output[-3000:]
     assert not failed, failed
+    deadline = time.monotonic() + 60  # none of a check's processes outlives it for long
+    while (left := {n: processes.pids_marked(m) for n, m in marks.items()}) and any(left.values()):
+        assert time.monotonic() < deadline, f"processes left by the checks: {left}"
+        time.sleep(1)
     return outs
 
 
@@ -148,6 +171,10 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
     ckpt = report["final_trainer_checkpoint"]
     assert ckpt["reference"] == ckpt["recovered"]
     assert report["selected"] == [k["snapshot"] for k in report["kills"]]
+    # It signalled its own processes only (a pid it had seen that was another's by then is
+    # listed, not signalled); the checks that ran beside it had marks of their own.
+    assert report["mark"].startswith("suite-prefix-")
+    assert all(k["processes_killed"] > 1 and "pids_not_ours" in k for k in report["kills"])
     for lost, kill in zip(report["lost_work"], report["kills"], strict=True):
         assert 0 <= lost["prefix"] <= lost["turn"] <= lost["none"]
         assert lost["none"] == lost["decoded_before_crash"] > lost["prefix"]

@@ -130,3 +130,31 @@ def test_tool_states_must_match_and_apply_each_effect_once(tmp_path):
         (d / "batches" / "step-000001.results.json").write_text(json.dumps(states))
     [msg] = rc.compare_results(str(ref), str(rec), 1, max_turns=3)
     assert msg.startswith("step 1: b ended with another result than the reference's (['tally'])")
+
+
+def test_a_check_signals_only_processes_that_carry_its_mark(monkeypatch):
+    """Checks run at once and pids get reused: a pid from a check's process tree that now
+    belongs to another check's process is left alone (functional_tests/processes.py)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sys.path.insert(0, str(REPO / "functional_tests"))
+    import processes
+
+    monkeypatch.setenv(processes.MARK_ENV, "check-under-test")
+    ours = subprocess.Popen(["sleep", "30"])
+    env = {k: v for k, v in os.environ.items() if k != processes.MARK_ENV}
+    theirs = subprocess.Popen(["sleep", "30"], env=env | {processes.MARK_ENV: "another-check"})
+    try:
+        time.sleep(0.2)
+        assert processes.owned(ours.pid) and not processes.owned(theirs.pid)
+        assert processes.signal_own({ours.pid, theirs.pid}, signal.SIGKILL) == [theirs.pid]
+        assert ours.wait(timeout=10) == -signal.SIGKILL
+        assert theirs.poll() is None and processes.alive_own(theirs.pid) is False
+    finally:
+        for proc in (ours, theirs):
+            proc.kill()
+            proc.wait()
