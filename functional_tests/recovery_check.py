@@ -143,23 +143,32 @@ def run(args, cmd: list[str], log: Path, phase: str, run_dir: str, env: dict | N
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)  # fmt: skip
-        try:
-            proc.wait(timeout=args.phase_timeout)
-        except subprocess.TimeoutExpired:
-            stop_run(proc)
-            sys.exit(f"FAIL: {phase} stuck: not finished after {args.phase_timeout:g} s; "
-                     f"{run_state(run_dir, log, before)}")  # fmt: skip
-    if proc.returncode != 0:
-        sys.exit(f"FAIL: {phase} ({' '.join(cmd[:3])}) exited {proc.returncode}; "
+        code = wait_phase(proc, args.phase_timeout, phase, run_dir, log, before)
+    if code != 0:
+        sys.exit(f"FAIL: {phase} ({' '.join(cmd[:3])}) exited {code}; "
                  f"{run_state(run_dir, log, before)}")  # fmt: skip
 
 
+def wait_phase(
+    proc: subprocess.Popen, timeout: float, phase: str, run_dir: str, log: Path, before: int = 0
+) -> int:
+    """The phase's exit status; one still running after `timeout` s is killed and the check
+    fails, saying which phase was stuck and what its run was doing."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_run(proc)
+        sys.exit(f"FAIL: {phase} stuck: not finished after {timeout:g} s; "
+                 f"{run_state(str(run_dir), log, before)}")  # fmt: skip
+
+
 def stop_run(proc: subprocess.Popen) -> None:
-    """SIGKILL a run this check started (its process group and every process under it) and
-    reap it."""
-    tree = descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
-        signal_own(tree, signal.SIGKILL, pgid=proc.pid)
+    """SIGKILL a run this check started (every process under it, and its process group when
+    it leads one) and reap it."""
+    signal_own(descendants(proc.pid), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
     proc.wait()
 
 

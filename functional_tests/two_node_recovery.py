@@ -122,14 +122,15 @@ def train_cmd(args, run_dir: str, restore: bool = False) -> list[str]:
             "--config", str(CONFIG), *overrides(args, run_dir)]  # fmt: skip
 
 
-def run_to_end(args, cmd: list[str], name: str, env: dict | None = None) -> dict:
+def run_to_end(args, cmd: list[str], name: str, run_dir: str, env: dict | None = None) -> dict:
     """Run a phase to completion (its log beside the report); its pid and wall time."""
     t0 = time.monotonic()
-    with open(args.out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-        code = proc.wait()
+    log = args.out / f"{name}.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        code = rc.wait_phase(proc, 2 * args.timeout, f"the {name} run", run_dir, log)
     if code != 0:
-        sys.exit(f"FAIL: the {name} run exited {code}; see {args.out / name}.log")
+        sys.exit(f"FAIL: the {name} run exited {code}; {rc.run_state(run_dir, log, 0)}")
     return {"pid": proc.pid, "wall_s": time.monotonic() - t0}
 
 
@@ -220,7 +221,9 @@ def kill_phase(args, run_dir: str) -> dict:
                     f"{args.kill_step} were published"
                 )
             if time.monotonic() > deadline:
-                sys.exit("FAIL: the killed run published no snapshot with enough cuts in time")
+                sys.exit(f"FAIL: the killed run published no snapshot with {args.cuts} cuts of "
+                         f"step >= {args.kill_step} in {args.timeout:g} s; "
+                         f"{rc.run_state(run_dir, args.out / 'killed.log', 0)}")  # fmt: skip
             workers = workers or phase_workers(run_dir, started_ns)
             try:
                 uris = published_uris(root)
@@ -407,7 +410,8 @@ def check(args, pattern: str) -> int:
     if args.reference:
         ref_dir = str(args.reference.resolve())
     else:
-        ref = run_to_end(args, train_cmd(args, pattern.format(name="reference")), "reference")
+        ref_uri = pattern.format(name="reference")
+        ref = run_to_end(args, train_cmd(args, ref_uri), "reference", ref_uri)
         timings["reference"] = ref["wall_s"]
         placement["reference"] = placement_of(args, job_of(ref["pid"]))
         ref_dir = str(args.out / "reference")  # kept on local disk for --reference
@@ -433,7 +437,7 @@ def check(args, pattern: str) -> int:
                           f"(killed by the check): {killed['processes_left']}")  # fmt: skip
     restored = restorable(args, rec_dir)
     cmd = train_cmd(args, rec_dir, restore=True)
-    done = run_to_end(args, cmd, "restore", env=rc.fault_env(args))
+    done = run_to_end(args, cmd, "restore", rec_dir, env=rc.fault_env(args))
     timings["restore"] = done["wall_s"]
     restore_job = job_of(done["pid"])
     placement["restore"] = placement_of(args, restore_job)

@@ -115,7 +115,8 @@ def kill_run(args, kind: str) -> dict:
     run_dir = args.out / kind
     n_workers, index, min_step = RUNS[kind]
     t0 = time.time()
-    proc = train(args, run_dir, args.out / f"{kind}.log", n_workers, rc.fault_env(args))
+    log = args.out / f"{kind}.log"
+    proc = train(args, run_dir, log, n_workers, rc.fault_env(args))
     deadline = time.monotonic() + args.timeout
     target, before = None, None
     while before is None:
@@ -124,8 +125,9 @@ def kill_run(args, kind: str) -> dict:
                      f"{args.min_calls} calls with > {2 * args.journal_tokens} tokens in step "
                      f">= {min_step}")  # fmt: skip
         if time.monotonic() > deadline:
-            proc.kill()
-            sys.exit(f"FAIL: the {kind} run never reached the kill condition")
+            rc.stop_run(proc)
+            sys.exit(f"FAIL: the {kind} run never reached the kill condition in "
+                     f"{args.timeout:g} s; {rc.run_state(str(run_dir), log, 0)}")  # fmt: skip
         workers = workers_file(run_dir, t0)
         done = len(rc.steps(str(run_dir))) if (run_dir / "steps.jsonl").exists() else 0
         if workers is not None and len(workers) == n_workers and done >= min_step:
@@ -154,11 +156,8 @@ def kill_run(args, kind: str) -> dict:
         ray.kill(ray.get_actor(target["actor_name"], namespace="rollout_recovery"))
         time.sleep(0.5)
         signal_own(target["engine_pids"], signal.SIGKILL)  # stopped: it cannot see its parent die
-    try:
-        code = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        sys.exit(f"FAIL: the {kind} run did not finish within {args.timeout} s of the kill")
+    code = rc.wait_phase(proc, args.timeout, f"the {kind} run after its worker's kill",
+                         str(run_dir), log)  # fmt: skip
     return {"kind": kind, "exit_code": code, "killed_at": killed_at, "in_flight": before,
             "dir": str(run_dir)}  # fmt: skip
 
@@ -271,10 +270,11 @@ def main() -> int:
     args.address = ray.get_runtime_context().gcs_address
     ref_dir = args.reference or args.out / "reference"
     if args.reference is None:
-        ref = train(args, ref_dir, args.out / "reference.log")
-        if ref.wait() != 0:
-            sys.exit(f"FAIL: the reference run exited {ref.returncode}; see "
-                     f"{args.out}/reference.log")  # fmt: skip
+        log = args.out / "reference.log"
+        ref = train(args, ref_dir, log)
+        if rc.wait_phase(ref, 2 * args.timeout, "the reference run", str(ref_dir), log) != 0:
+            sys.exit(f"FAIL: the reference run exited {ref.returncode}; "
+                     f"{rc.run_state(str(ref_dir), log, 0)}")  # fmt: skip
     kinds = ["engine", "actor"] if args.kill == "both" else [args.kill]
     rows, problems = [], []
     for kind in kinds:

@@ -400,11 +400,12 @@ class CheckpointRecords(BaseModel):
 
 class EnvironmentProgress(BaseModel):
     """What an environment is doing, as the controller's liveness watch sees it
-    (controller/liveness.py): a step is moving while calls are in flight, effects run, or
-    `events` grows."""
+    (controller/liveness.py): a step is moving while calls are in flight or moving to a live
+    worker, effects run, or `events` grows."""
 
     episodes_running: int = 0  # taken by a step and not finished
     calls_in_flight: int = 0
+    calls_moving: int = 0  # off a dead worker, waiting for a live one (failover)
     effects_running: int = 0
     events: int = 0  # model calls started and answered, episodes finished: only ever grows
     restored_waiting: int = 0  # restored episodes no step has taken yet
@@ -416,6 +417,7 @@ class EnvironmentProgress(BaseModel):
         return EnvironmentProgress(
             episodes_running=self.episodes_running + other.episodes_running,
             calls_in_flight=self.calls_in_flight + other.calls_in_flight,
+            calls_moving=self.calls_moving + other.calls_moving,
             effects_running=self.effects_running + other.effects_running,
             events=self.events + other.events,
             restored_waiting=self.restored_waiting + other.restored_waiting,

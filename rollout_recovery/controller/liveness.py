@@ -3,8 +3,9 @@ next, instead of waiting forever (docs/errors.md, "A run that makes no progress"
 
 While a step's episodes run, the controller asks the environment every
 `liveness.check_interval_s` what they are doing (`EnvironmentProgress`). The step is moving
-while a model call is in flight or an effect runs, and whenever a call starts or is answered
-or an episode finishes. It stops with `RunStalled`, counted as `run_stalled.<reason>`, when
+while a model call is in flight or moving off a dead worker (failover bounds that wait by
+`failover.replacement_wait_s`) or an effect runs, and whenever a call starts or is answered or
+an episode finishes. It stops with `RunStalled`, counted as `run_stalled.<reason>`, when
 for `liveness.stall_timeout_s`:
 
 - `no_progress`: none of that happened (the episodes wait on something that is neither a model
@@ -42,8 +43,9 @@ def stalled(
     """The one-line error of a stalled step: the reason, what the environment reported last,
     and what to run next."""
     limit = f"liveness.stall_timeout_s={cfg.stall_timeout_s:g}"
+    quiet = f"{quiet_s:.0f}" if quiet_s >= 10 else f"{quiet_s:.1f}"
     if reason == "environment_unresponsive":
-        what = f"the environment did not answer the progress check for {quiet_s:.0f} s"
+        what = f"the environment did not answer the progress check for {quiet} s"
     elif reason == "restored_unclaimed":
         what = (
             f"{last.restored_waiting} restored episodes (e.g. {last.restored_example}) waited "
@@ -53,8 +55,9 @@ def stalled(
     else:
         running = last.episodes_running if last is not None else 0
         what = (
-            f"for {quiet_s:.0f} s no model call was in flight, no effect ran, no call started "
-            f"or ended and no episode finished ({running} episodes unfinished)"
+            f"for {quiet} s no model call was in flight, no effect ran, no call started "
+            f"or ended and no episode finished ({running} episode{'' if running == 1 else 's'} "
+            "unfinished)"
         )
     return RunStalled(
         reason, f"step {step} stalled (run_stalled.{reason}, {limit}): {what}. {NEXT}"
@@ -87,12 +90,8 @@ async def watch_step(
                 seen = None
             if seen is not None:
                 answered_at = now
-                if (
-                    last is None
-                    or seen.events != last.events
-                    or seen.calls_in_flight
-                    or (seen.effects_running)
-                ):
+                busy = seen.calls_in_flight or seen.calls_moving or seen.effects_running
+                if busy or last is None or seen.events != last.events:
                     moved_at = now
                 last = seen
                 if seen.restored_waiting and seen.restored_waiting_s >= cfg.stall_timeout_s:

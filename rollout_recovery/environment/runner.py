@@ -591,6 +591,7 @@ class EpisodeRunner:
         return EnvironmentProgress(
             episodes_running=len(self.episodes),
             calls_in_flight=len(self.inflight),
+            calls_moving=len(self.migrating.keys() | self.migrated),
             effects_running=sum(1 for c in self.contexts.values() if c.effect_id is not None),
             events=self.events,
             restored_waiting=len(self.pending),

@@ -68,8 +68,8 @@ def test_growing_events_keep_a_step_alive_until_its_work_ends():
     assert _run(lambda: _after(1.0), progress) == "done"
 
 
-@pytest.mark.parametrize("busy", ["calls_in_flight", "effects_running"])
-def test_a_call_in_flight_or_a_running_effect_is_progress(busy):
+@pytest.mark.parametrize("busy", ["calls_in_flight", "calls_moving", "effects_running"])
+def test_a_call_in_flight_or_moving_or_a_running_effect_is_progress(busy):
     assert _run(lambda: _after(1.0), _constant(episodes_running=1, **{busy: 1})) == "done"
 
 
