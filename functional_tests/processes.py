@@ -94,3 +94,12 @@ def kill_marked(mark: str) -> int:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return len(pids)
+
+
+def command(pid: int) -> str:
+    """What process `pid` runs now (its command line, shortened), for reports."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return "(gone)"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:80]

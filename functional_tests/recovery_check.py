@@ -59,6 +59,7 @@ CLI = [str(REPO / ".venv" / "bin" / "rollout-recovery"), "train"]
 from processes import (  # noqa: E402
     MARK_ENV,
     alive_own,
+    command,
     descendants,
     mark_this_check,
     owned,
@@ -248,7 +249,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     deadline = time.monotonic() + args.timeout
     chosen, kill_at, delay, next_scan = None, None, 0.0, 0.0
     tree: set[int] = set()
-    foreign: set[int] = set()  # pids once in the tree, another's process by the signal
+    foreign: dict[int, str] = {}  # pids once in the tree, another's process by the signal
 
     def newest_if_ready() -> dict | None:
         """The newest published snapshot, if it holds enough recoverable items: the one a
@@ -287,23 +288,23 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             # Freeze everything but the worker actors (they answer the read below): no token
             # is decoded and no snapshot is published from here on.
             others = ({proc.pid} | tree) - {w["pid"] for w in workers}
-            foreign.update(signal_own(others, signal.SIGSTOP))
+            note(foreign, signal_own(others, signal.SIGSTOP))
             frozen_at = time.time()
             time.sleep(0.1)  # outputs already sent reach the workers' counters
             before = read_engine_records(workers, args.token)
             # Freeze the run, then decide on what is published now: nothing newer can
             # appear before the kill, so the next phase restores exactly the chosen snapshot.
-            foreign.update(signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
+            note(foreign, signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
             chosen = newest_if_ready()
             if chosen is None:  # a newer snapshot without enough items: wait for the next
-                foreign.update(signal_own(tree, signal.SIGCONT, pgid=proc.pid))
+                note(foreign, signal_own(tree, signal.SIGCONT, pgid=proc.pid))
                 kill_at = None
                 continue
             since = frozen_at - snapshot_time(chosen["snapshot"])
             chosen |= {"engine_before": before, "kill_delay_s": delay, "after_snapshot_s": since}
         time.sleep(0.05)
     tree |= descendants(proc.pid)
-    foreign.update(signal_own(tree, signal.SIGKILL, pgid=proc.pid))
+    note(foreign, signal_own(tree, signal.SIGKILL, pgid=proc.pid))
     proc.wait()
     survivors = set()
     for _ in range(60):
@@ -314,9 +315,15 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     if survivors:
         sys.exit(f"FAIL: processes survived the SIGKILL of phase {k}: {sorted(survivors)}")
     chosen["processes_killed"] = len(tree) + 1
-    chosen["pids_not_ours"] = sorted(foreign)  # reused by another's process: left alone
+    chosen["pids_not_ours"] = foreign  # reused by another's process: left alone
     chosen["finished_keys"] = sorted(snapshot_keys(chosen["snapshot"], "replay"))
     return chosen
+
+
+def note(foreign: dict[int, str], pids: list[int]) -> None:
+    """Record what the pids left alone run now (another check's engine, a `pgrep`, ...)."""
+    for pid in pids:
+        foreign.setdefault(pid, command(pid))
 
 
 def current_workers(run_dir: str, tree: set[int]) -> list[dict]:
