@@ -12,9 +12,12 @@ import numpy as np
 import pytest
 import ray
 
+from rollout_recovery.config import LivenessConfig
+from rollout_recovery.controller.liveness import watch_step
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
+from rollout_recovery.errors import RunStalled
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import EpisodeRecord, environment_of, replay_key, rollout_id
 
@@ -260,3 +263,33 @@ def test_two_environment_actors_split_episodes_and_sweep_only_their_own_rows(
     finally:
         env.close()
         store.delete("rollout_staging", store.list("rollout_staging", f"{gid}-"))
+
+
+def test_episodes_that_wait_on_nothing_stop_the_step_with_no_progress(capture_worker, tiny_cfg):
+    """Liveness on the real actors: an environment actor whose two episodes each made one real
+    model call and then wait on nothing the run can see. The controller's watch asks the actor
+    over Ray and stops the step with `no_progress` (counted and shown in one line by
+    `submit_groups`, tests/unit/test_liveness.py), instead of waiting forever."""
+    worker, store = capture_worker
+    cfg = _cfg(tiny_cfg, "turn", 8)
+    cfg.environment.episode = "tests.engine.liveness_episodes:stuck_after_one_call"
+    client = EnvironmentClient.start(cfg.environment_config(), WorkerPool([worker]), store)
+    watch = LivenessConfig(stall_timeout_s=2.0, check_interval_s=0.2)
+
+    async def step():
+        work = client.run_groups([("stall-0", TASK)], [[5, 6]], 0)
+        async with asyncio.timeout(60):  # without the watch: a TimeoutError, not RunStalled
+            return await watch_step(work, client.progress, watch, 7)
+
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunStalled) as err:
+            asyncio.run(step())
+        assert err.value.reason == "no_progress" and time.monotonic() - t0 < 30
+        assert "step 7 stalled (run_stalled.no_progress" in str(err.value)
+        assert "2 episodes unfinished" in str(err.value)
+        seen = asyncio.run(client.progress())
+        assert (seen.episodes_running, seen.calls_in_flight, seen.effects_running) == (2, 0, 0)
+        assert seen.events == 4  # each episode's one call, started and answered
+    finally:
+        client.close()

@@ -218,27 +218,3 @@ def test_a_damaged_newest_snapshot_is_skipped_on_the_terminal_and_in_the_step_lo
     assert f"Snapshot {newest} is unusable" in out and "falling back" in out
     event = json.loads((run_dir / "steps.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "restore" and event["skipped"][0]["snapshot"] == str(newest)
-
-
-def test_a_stalled_step_stops_in_one_line_and_orphaned_restored_episodes_are_refused(tmp_path):
-    """Episodes that wait on nothing the run can see: the step stops after
-    liveness.stall_timeout_s with its reason in one line and in the step log (not a run that
-    waits forever while its checkpoints make it look alive). Restoring it with fewer generations
-    per prompt would leave a restored episode to no step: refused before anything starts."""
-    run = tmp_path / "run"
-    proc, took = _train(run, "grpo.generations_per_prompt=3",
-                        "environment.episode=tests.engine.liveness_episodes:stuck_after_one_call",
-                        "liveness.stall_timeout_s=3", "liveness.check_interval_s=0.25")  # fmt: skip
-    line = _one_line_refusal(proc, "step 0 stalled (run_stalled.no_progress",
-                             "3 episodes unfinished", "train --restore")  # fmt: skip
-    assert took < 120, line
-    events = [json.loads(ln) for ln in (run / "steps.jsonl").read_text().splitlines()]
-    assert [e["reason"] for e in events if e.get("event") == "stalled"] == ["no_progress"]
-    before = _tree(run)
-    proc, took = _train(run, "grpo.generations_per_prompt=2",
-                        "environment.episode=tests.engine.liveness_episodes:stuck_after_one_call",
-                        restore=True)  # fmt: skip
-    _one_line_refusal(proc, "unfinished episode that step 0 would not run",
-                      "generation 2 of group s0000-p000",
-                      "grpo.generations_per_prompt=2")  # fmt: skip
-    assert _tree(run) == before and took < 60

@@ -77,6 +77,7 @@ RUNS = {
     "two_node": TWO_NODE_ARGS,
 }
 SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE}
+BROKEN = ("resume_disabled", "redecode_committed_turns", "journal_rows_corrupted")
 AFTER_TURN = ("failover", "two_node")  # started once the turn check is done
 
 
@@ -153,6 +154,34 @@ def _report(out: Path) -> dict:
     return json.loads((out / "parity.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The finished checks' kills restored (or the failover run repeated) deliberately broken,
+    the three at once (they are independent; one after another they took ~3 minutes): each
+    check must fail on its own. Options first: PREFIX ends with a config override."""
+    outs = {name: tmp_path_factory.mktemp(f"broken-{name}") for name in BROKEN}
+    cmds = {
+        "resume_disabled": [str(CHECK), "--out", str(outs["resume_disabled"]), "--from-kill",
+                            str(runs["prefix"]), "--fault", "resume_disabled", *PREFIX, *SMALL],
+        "redecode_committed_turns": [str(CHECK), "--out", str(outs["redecode_committed_turns"]),
+                                     *TURN, "--from-kill", str(runs["turn"]), "--fault",
+                                     "redecode_committed_turns", *SMALL],
+        "journal_rows_corrupted": [str(FAILOVER), "--out", str(outs["journal_rows_corrupted"]),
+                                   "--kill", "engine", *FAILOVER_ARGS, "--reference",
+                                   str(runs["failover"] / "reference"), "--fault",
+                                   "journal_rows_corrupted"],
+    }  # fmt: skip
+    procs = {name: subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name, cmd in cmds.items()}  # fmt: skip
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=900)
+        out[name] = (subprocess.CompletedProcess(cmds[name], proc.returncode, stdout, stderr),
+                     outs[name])  # fmt: skip
+    return out
+
+
 def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefix_run):
     """The same batches, losses equal, the final trainer checkpoint the same bytes as the
     uninterrupted run's; the engines resumed every cut call; the kill's lost work measured."""
@@ -181,14 +210,12 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
         assert kill["after_snapshot_s"] > 0
 
 
-def test_the_check_fails_when_workers_silently_ignore_continuations(prefix_run, tmp_path):
+def test_the_check_fails_when_workers_silently_ignore_continuations(broken):
     """The same killed run restored with resume disabled on the workers: every output still
     matches the reference (the sampler is deterministic), only the engine records tell."""
-    # Options first: PREFIX ends with a config override (a positional argument).
-    proc = _check("--out", str(tmp_path), "--from-kill", str(prefix_run), "--fault",
-                  "resume_disabled", *PREFIX)  # fmt: skip
+    proc, out = broken["resume_disabled"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = _report(tmp_path)
+    report = _report(out)
     assert all(s["same_batch"] and s["loss_abs_diff"] == 0 for s in report["steps"])
     assert report["violations"] and all(v.startswith("[resumed]") for v in report["violations"])
     lost = report["lost_work"][-1]
@@ -233,14 +260,13 @@ def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(turn_run):
     assert lost["turn"] < lost["none"]  # committed turns were not decoded again
 
 
-def test_the_check_fails_when_committed_turns_are_decoded_again(turn_run, tmp_path):
+def test_the_check_fails_when_committed_turns_are_decoded_again(broken):
     """The same killed run restored with every episode started over: tokens, rewards and the
     notes still match; the engine records show the repeat (and the effects carry the ids of
     a fresh start)."""
-    proc = _check("--out", str(tmp_path), *TURN, "--from-kill", str(turn_run), "--fault",
-                  "redecode_committed_turns")  # fmt: skip
+    proc, out = broken["redecode_committed_turns"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = _report(tmp_path)
+    report = _report(out)
     assert all(s["same_batch"] and s["same_reward"] for s in report["steps"])
     assert any(v.startswith("[committed_turn_decoded_again]") for v in report["violations"])
     expected = ("[committed_turn_decoded_again]", "[effects]", "episodes re-admitted",
@@ -283,22 +309,10 @@ def test_a_dead_workers_calls_continue_from_their_journal_without_a_restart(fail
     assert rows["actor"]["workers_replaced"] >= 1
 
 
-def test_the_failover_check_fails_when_a_journal_is_corrupted(failover_run, tmp_path):
+def test_the_failover_check_fails_when_a_journal_is_corrupted(broken):
     """Journal rows staged with a changed token: the moved calls refuse the chain and are
     decoded from scratch (counted), so the batches still match, and the check fails on them."""
-    args = [
-        "--out",
-        str(tmp_path),
-        "--kill",
-        "engine",
-        *FAILOVER_ARGS,
-        "--reference",
-        str(failover_run / "reference"),
-        "--fault",
-        "journal_rows_corrupted",
-    ]
-    proc = subprocess.run([sys.executable, str(FAILOVER), *args], capture_output=True,
-                          text=True, timeout=900, check=False)  # fmt: skip
+    proc, tmp_path = broken["journal_rows_corrupted"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "not resumed from its journal" in proc.stdout
     [row] = json.loads((tmp_path / "failover.json").read_text())["runs"]

@@ -181,3 +181,34 @@ def test_a_step_does_not_depend_on_float_noise_in_the_generation_logprobs(tiny_m
     assert losses[0] == losses[1]
     for name, tensor in states[0].items():
         assert torch.equal(tensor, states[1][name]), name
+
+
+def _choice(*episodes: tuple[str, int]):
+    from rollout_recovery.controller.selection import SnapshotChoice
+    from rollout_recovery.protocol import EpisodeRecord, Ledger, ServedModel
+
+    records = [EpisodeRecord(rollout_id=f"{g}-g{i}", group_id=g, generation_index=i, seed=i,
+                             attempt=0, task={}) for g, i in episodes]  # fmt: skip
+    model = ServedModel(base={"path": "tiny://default"}, weight_version=0, weights_sha256=None)
+    ledger = Ledger(step=0, weight_version=0, reason="cadence", level="turn", model=model,
+                    episodes=records)  # fmt: skip
+    return SnapshotChoice("file:///runs/a/data_plane/snapshot-0000000003-aa", ledger)
+
+
+def test_a_restore_whose_episodes_the_first_step_would_not_run_is_refused():
+    """Restored episodes of groups or generations the restored step does not submit would wait
+    for a step that never comes: refused before anything starts (the driver's plan)."""
+    from rollout_recovery.config import load_config
+    from rollout_recovery.errors import RestoreError
+    from rollout_recovery.training.driver import _check_claimed
+
+    cfg = load_config(None, ["grpo.prompts_per_step=1", "grpo.generations_per_prompt=2"])
+    _check_claimed(cfg, _choice(("s0000-p000", 0), ("s0000-p000", 1)), 0)  # all claimed
+    with pytest.raises(RestoreError) as err:
+        _check_claimed(cfg, _choice(("s0000-p000", 1), ("s0000-p000", 2)), 0)
+    assert "holds 1 unfinished episode that step 0 would not run" in str(err.value)
+    assert "generation 2 of group s0000-p000" in str(err.value)
+    with pytest.raises(RestoreError, match=r"holds 2 unfinished episodes .* group s0000-p001"):
+        _check_claimed(cfg, _choice(("s0000-p001", 0), ("s0000-p001", 1)), 0)
+    with pytest.raises(RestoreError, match="group s0000-p000"):  # a step other than the ledger's
+        _check_claimed(cfg, _choice(("s0000-p000", 0)), 1)
