@@ -246,7 +246,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )  # fmt: skip
     root = child(run_dir, "data_plane")
-    deadline = time.monotonic() + args.timeout
+    deadline = time.monotonic() + args.phase_timeout
     chosen, kill_at, delay, next_scan = None, None, 0.0, 0.0
     tree: set[int] = set()
     foreign: dict[int, str] = {}  # pids once in the tree, another's process by the signal
@@ -271,7 +271,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
                                f"{run_state(run_dir, log_path, before)}")  # fmt: skip
         if time.monotonic() > deadline:
             stop_run(proc)
-            sys.exit(f"FAIL: {what} stuck: no {want} within {args.timeout:g} s; "
+            sys.exit(f"FAIL: {what} stuck: no {want} within {args.phase_timeout:g} s; "
                      f"{run_state(run_dir, log_path, before)}")  # fmt: skip
         if time.monotonic() >= next_scan:  # pgrep per process: not on every poll
             tree |= descendants(proc.pid)
@@ -602,10 +602,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="per call (default: by level and environment)")  # fmt: skip
     ap.add_argument("--interval", type=float, default=0.4)
-    ap.add_argument("--timeout", type=float, default=300,
-                    help="s a killed phase may take to publish its kill's snapshot")  # fmt: skip
+    # One bound for every phase: a killed phase that runs its course without its kill's
+    # snapshot ends on its own (and is tried again once); this bound is for a run that hangs.
+    # (300 s for a killed phase was too short on a slower machine running three checks at once:
+    # the gateway check's steps took 125 s each there.)
     ap.add_argument("--phase-timeout", type=float, default=900,
-                    help="s the reference run and the last phase may take")  # fmt: skip
+                    help="s any phase may take (the reference run, a killed phase until its "
+                         "kill, the last phase)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=None, help="kill delays (default: random)")
     ap.add_argument("--min-identical-logprobs", type=float, default=MIN_IDENTICAL_LOGPROBS,
                     help="least share of bit-identical generation logprobs per step")  # fmt: skip

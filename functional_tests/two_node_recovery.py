@@ -495,7 +495,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=1, help="GRPO groups of 4 per step")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--interval", type=float, default=0.4, help="snapshot cadence (s)")
-    ap.add_argument("--timeout", type=float, default=420, help="for the kill condition (s)")
+    ap.add_argument("--timeout", type=float, default=900, help="kill condition bound (s)")
     ap.add_argument("--min-identical-logprobs", type=float, default=rc.MIN_IDENTICAL_LOGPROBS)
     ap.add_argument("--max-logprob-diff", type=float, default=rc.MAX_LOGPROB_DIFF)
     ap.add_argument(

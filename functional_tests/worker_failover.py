@@ -256,7 +256,7 @@ def main() -> int:
     ap.add_argument("--journal-tokens", type=int, default=16, help="K")
     ap.add_argument("--min-calls", type=int, default=4)
     ap.add_argument("--settle", type=float, default=0.5)
-    ap.add_argument("--timeout", type=float, default=420)
+    ap.add_argument("--timeout", type=float, default=900, help="per-run bound (s)")
     ap.add_argument("--min-identical-logprobs", type=float, default=rc.MIN_IDENTICAL_LOGPROBS)
     ap.add_argument("--reference", type=Path, help="an earlier reference run to compare with")
     ap.add_argument("--fault", help="a deliberate fault (rollout_recovery/faults.py) in the "
