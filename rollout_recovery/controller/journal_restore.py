@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from rollout_recovery.data_plane.chain import ResumeRefused, chain_continuation
 from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
-from rollout_recovery.generation.resume import ResumeRefused, chain_continuation
 from rollout_recovery.protocol import CallIdentity, Continuation, EpisodeRecord
 
 

@@ -11,8 +11,8 @@ validates the continuation again before it splices anything in.
 
 from __future__ import annotations
 
+from rollout_recovery.data_plane.chain import ResumeRefused, chain_continuation
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
-from rollout_recovery.generation.resume import ResumeRefused, chain_continuation
 from rollout_recovery.protocol import CallIdentity, Continuation
 
 

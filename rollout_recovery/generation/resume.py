@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
-import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from rollout_recovery import faults
-from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest, finish_digest
+from rollout_recovery.data_plane.chain import Prefix, ResumeRefused, validate_chunks
 from rollout_recovery.data_plane.schemas import table_to_chunk_rows
 from rollout_recovery.generation.capture import CapturedCall, TokenCapture
 from rollout_recovery.generation.metrics import WorkerMetrics
@@ -46,114 +43,10 @@ from rollout_recovery.protocol import (
     RESUME_DIGEST_ARG,
     RESUME_KEYS_ARG,
     RESUME_TOKENS_ARG,
-    CallIdentity,
-    Continuation,
     ResumeRequest,
     identity_from_extra_args,
     resume_request,
 )
-
-
-class ResumeRefused(Exception):
-    """The continuation cannot be trusted; `reason` is counted and the call regenerates."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-FINISH_REASONS = ("stop", "length")
-
-
-@dataclass
-class Prefix:
-    prompt_ids: list[int]
-    ids: np.ndarray
-    logprobs: np.ndarray | None  # None when a chunk was staged without logprobs
-    weight_version: int
-    keys: list[str] = field(default_factory=list)  # the earlier attempt's chunk rows
-    finish: tuple[str, Any] | None = None  # (finish_reason, stop_reason) recorded at the cut
-    done: tuple[str, Any] | None = None  # the prefix already ended the call: answer it
-    logit_bias: dict[int, float] | None = None  # the frequency penalty's emulation
-    identity: CallIdentity | None = None  # the attempt resuming from this prefix
-
-
-def validate_chunks(
-    rows,
-    identity: CallIdentity,
-    keys: list[str],
-    prompt_ids: list[int],
-    expected_tokens: int,
-    expected_digest: str,
-) -> Prefix:
-    """Check every staged chunk of a continuation; raises ResumeRefused on any mismatch."""
-    if not rows:
-        raise ResumeRefused("missing_chunk", "no staged rows")
-    if [r.key for r in rows] != keys:
-        raise ResumeRefused("missing_chunk", "not every staging key was found")
-    prev, digest, versions = 0, CHAIN_ROOT, []
-    for seq, row in enumerate(rows):
-        if (row.rollout_id, row.model_call_id) != identity[:2] or row.attempt >= identity.attempt:
-            raise ResumeRefused("foreign_chunk", f"{row.key} belongs to another call or attempt")
-        if row.chunk_seq != seq:
-            raise ResumeRefused("chunk_order", f"{row.key} has chunk_seq {row.chunk_seq}")
-        lp_count = row.delta_len if row.logprobs is None else len(row.logprobs)
-        if row.prev_len != prev or lp_count != row.delta_len:
-            raise ResumeRefused("chunk_counts", f"{row.key} does not continue at {prev}")
-        digest = chain_digest(digest, row.token_ids)
-        if row.finish_reason is not None:
-            if seq != len(rows) - 1:
-                raise ResumeRefused("chunk_order", f"{row.key} ends the call but is not last")
-            digest = finish_digest(digest, row.finish_reason, row.stop_reason_json)
-        if digest != row.digest:
-            raise ResumeRefused("digest_mismatch", f"{row.key} fails its chained digest")
-        prev += row.delta_len
-        versions.append(row.weight_version)
-    if any(b < a for a, b in itertools.pairwise(versions)):
-        raise ResumeRefused("weight_version_order", "weight versions decrease")
-    if prev != expected_tokens:
-        raise ResumeRefused("prefix_length_mismatch", f"{prev} staged, {expected_tokens} expected")
-    if digest.hex() != expected_digest:
-        raise ResumeRefused("digest_mismatch", "final digest differs from the continuation's")
-    if rows[0].prompt_token_ids is None or rows[0].prompt_token_ids.tolist() != list(prompt_ids):
-        raise ResumeRefused("prompt_mismatch", "the request's prompt is not the staged prompt")
-    last = rows[-1]
-    finish = None
-    if last.finish_reason is not None:
-        if last.finish_reason not in FINISH_REASONS:
-            raise ResumeRefused("finish_record", f"unknown finish reason {last.finish_reason!r}")
-        try:
-            stop = None if last.stop_reason_json is None else json.loads(last.stop_reason_json)
-        except ValueError:
-            raise ResumeRefused("finish_record", "unreadable stop reason") from None
-        finish = (last.finish_reason, stop)
-    lps = [r.logprobs for r in rows]
-    return Prefix(
-        prompt_ids=list(prompt_ids),
-        ids=np.concatenate([r.token_ids for r in rows]),
-        logprobs=None if any(lp is None for lp in lps) else np.concatenate(lps),
-        weight_version=versions[-1],
-        finish=finish,
-    )
-
-
-def chain_continuation(rows, attempt: CallIdentity) -> Continuation:
-    """The continuation of call attempt `attempt`'s staged chain `rows` (chunk 0 first) for
-    its next attempt, after every check a resume makes; ResumeRefused when one fails."""
-    if not rows:
-        raise ResumeRefused("missing_chunk", "no staged rows")
-    last, prompt = rows[-1], rows[0].prompt_token_ids
-    validate_chunks(rows, attempt._replace(attempt=attempt.attempt + 1), [r.key for r in rows],
-                    [] if prompt is None else prompt.tolist(), last.cum_len,
-                    last.digest.hex())  # fmt: skip
-    return Continuation(
-        call_id=attempt.model_call_id,
-        attempt=attempt.attempt,
-        keys=[r.key for r in rows],
-        tokens=last.cum_len,
-        digest=last.digest.hex(),
-        cut_kind="terminal_completion" if last.finish_reason else "active_prefix",
-    )
 
 
 def parse_continuation(extra: dict) -> ResumeRequest | None:
