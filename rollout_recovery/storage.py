@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from rollout_recovery.data_plane.snapshot_io import (
+from rollout_recovery.data_plane.filesystem import (
     child_uri,
     is_object_store,
     join,

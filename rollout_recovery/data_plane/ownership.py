@@ -38,7 +38,7 @@ from typing import Literal
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
-from rollout_recovery.data_plane import snapshot_io
+from rollout_recovery.data_plane import filesystem
 from rollout_recovery.data_plane.errors import OwnerFenced, OwnershipConflict, SnapshotError
 
 __all__ = [
@@ -148,7 +148,7 @@ def entry_name(slot: int) -> str:
 
 
 def log_dir(root: str) -> str:
-    return snapshot_io.join(root, OWNERSHIP_DIR)
+    return filesystem.join(root, OWNERSHIP_DIR)
 
 
 def _outranks(claim_epoch: int, epoch: int) -> bool:
@@ -304,7 +304,7 @@ def _create_local(path: str, data: bytes) -> bool:
         return False
     finally:
         os.unlink(tmp)
-    snapshot_io.sync_dir(pafs.LocalFileSystem(), parent)
+    filesystem.sync_dir(pafs.LocalFileSystem(), parent)
     return True
 
 
@@ -359,7 +359,7 @@ def _create_s3(fs: pafs.S3FileSystem, path: str, data: bytes) -> bool:
 
 
 def _ensure_dir(fs: pafs.FileSystem, root: str) -> None:
-    snapshot_io.make_dirs(fs, log_dir(root).rstrip("/"))
+    filesystem.make_dirs(fs, log_dir(root).rstrip("/"))
 
 
 def claim(fs: pafs.FileSystem, root: str) -> Owner:
@@ -371,7 +371,7 @@ def claim(fs: pafs.FileSystem, root: str) -> Owner:
     while True:
         slot, epoch = log.last_slot + 1, log.max_epoch() + 1
         body = EntryBody(slot=slot, kind="claim", epoch=epoch, owner=info)
-        if create_only(fs, snapshot_io.join(log_dir(root), entry_name(slot)), encode(body)):
+        if create_only(fs, filesystem.join(log_dir(root), entry_name(slot)), encode(body)):
             return Owner.of(slot, body)
         log = read_log(fs, root)
         taken = log.entries.get(slot)
@@ -430,7 +430,7 @@ def publish_entry(
         slot = max(log.last_slot, me.slot) + 1
         body = EntryBody(slot=slot, kind="publish", epoch=me.epoch, snapshot=snapshot,
                          manifest_sha256=manifest_sha256, owner=me.info)  # fmt: skip
-        if create_only(fs, snapshot_io.join(log_dir(root), entry_name(slot)), encode(body)):
+        if create_only(fs, filesystem.join(log_dir(root), entry_name(slot)), encode(body)):
             return slot
         log = read_log(fs, root)
 
@@ -440,7 +440,7 @@ def prune(fs: pafs.FileSystem, log: OwnershipLog, below: int) -> list[str]:
     newest = log.newest_claim()
     keep = newest.slot if newest is not None else None
     doomed = [
-        snapshot_io.join(log_dir(log.root), entry_name(s))
+        filesystem.join(log_dir(log.root), entry_name(s))
         for s in sorted([*log.entries, *log.unreadable])
         if s < below and s != keep
     ]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from rollout_recovery.data_plane import snapshot_io
+from rollout_recovery.data_plane import filesystem, snapshot_io
 from rollout_recovery.faultfs import FaultFs, Op, fault_filesystem
 
 
@@ -190,12 +190,12 @@ def test_copies_share_one_state(ffs, d):
 def test_the_fsync_seam(tmp_path, monkeypatch):
     synced: list[tuple[str, bool]] = []
     monkeypatch.setattr(
-        snapshot_io, "_fsync_path", lambda p, directory=False: synced.append((p, directory))
+        filesystem, "_fsync_path", lambda p, directory=False: synced.append((p, directory))
     )
     local = pafs.LocalFileSystem()
-    snapshot_io.sync_file(local, "/x/f")
-    snapshot_io.sync_dir(local, "/x")
+    filesystem.sync_file(local, "/x/f")
+    filesystem.sync_dir(local, "/x")
     assert synced == [("/x/f", False), ("/x", True)]
     remote = pafs.SubTreeFileSystem(str(tmp_path), local)  # stands for an object store
-    snapshot_io.sync_file(remote, "f")
+    filesystem.sync_file(remote, "f")
     assert len(synced) == 2, "nothing to fsync on an object store"
