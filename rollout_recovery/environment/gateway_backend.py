@@ -7,6 +7,9 @@ already made answered from the journal (with the response it got the first time)
 in flight continued from its prefix. A rollout exists while its episode runs; calls to one
 that finished get 409, to one never seen 404. One rollout serves one call at a time, since
 its journal is one sequence.
+
+A standalone gateway (`rollout-recovery gateway`) also opens and finishes rollouts from outside:
+`OutsideRollouts` runs each one's episode with a function that waits for the harness's result.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import hashlib
 from typing import Any
 
 from rollout_recovery.data_plane import table_to_replay_rows
-from rollout_recovery.environment.context import JournalDiverged
+from rollout_recovery.environment.context import EpisodeContext, JournalDiverged
+from rollout_recovery.environment.episode import EpisodeState
 from rollout_recovery.environment.model_client import ModelCallFailed
-from rollout_recovery.environment.runner import RolloutRefused
+from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.gateway.wire import (
     CallRefused,
     GatewayError,
@@ -27,6 +31,7 @@ from rollout_recovery.gateway.wire import (
     RolloutFinished,
     UnknownRollout,
 )
+from rollout_recovery.protocol import EpisodeOutcome, replay_key, rollout_id
 
 SOURCE_HEADER = "x-rollout-recovery-source"
 CALL_HEADER = "x-rollout-recovery-call-id"
@@ -35,12 +40,88 @@ ATTEMPT_HEADER = "x-rollout-recovery-attempt"
 CAPTURE_FIELDS = ("prompt_token_ids", "prompt_logprobs", "kv_transfer_params")
 
 
+class RolloutRefused(RuntimeError):
+    """An outside rollout-control call this environment cannot honour; `reason` names why."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class OutsideRollouts:
+    """Rollouts opened and finished from outside: each one's episode runs with a function that
+    waits for the harness's result. Every method runs on the environment's loop."""
+
+    def __init__(self, runner: EpisodeRunner) -> None:
+        self.runner = runner
+        self._results: dict[str, asyncio.Future] = {}  # the harness's result, per rollout
+        self._open: dict[str, asyncio.Future] = {}  # each open rollout's episode
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._results
+
+    async def open(
+        self, group_id: str, index: int, seed: int, task: dict, weight_version: int
+    ) -> tuple[EpisodeState, bool]:
+        """Open a rollout. One a restore brought back replays its journal to the harness
+        that makes its calls again."""
+        runner = self.runner
+        rid, key = rollout_id(group_id, index), replay_key(group_id, index)
+        if rid in runner.finished or key in await runner.store.alist("replay", key):
+            raise RolloutRefused("rollout_finished", f"rollout {rid} has finished")
+        if rid in self._results:
+            raise RolloutRefused("rollout_open", f"rollout {rid} is open; finish it first")
+        restored = runner.pending.get(rid)
+        if restored is not None and restored.task != task:
+            raise RolloutRefused("task_differs", f"rollout {rid} was restored with another task; "
+                                 "open it with the task it had")  # fmt: skip
+        st, was_restored = runner.admit(rid, group_id, index, seed, task)
+        self._results[rid] = asyncio.get_running_loop().create_future()
+        self._open[rid] = asyncio.ensure_future(
+            runner.run_episode(st, weight_version, was_restored, self._harness_result)
+        )
+        return st, was_restored
+
+    async def _harness_result(self, ctx: EpisodeContext, task: dict) -> Any:
+        return await asyncio.shield(self._results[ctx.rollout_id])
+
+    async def finish(self, rid: str, result: Any) -> EpisodeOutcome:
+        """The harness's result: the episode ends, its row is written to `replay`."""
+        future = self._results.get(rid)
+        if future is None:
+            if rid in self.runner.finished:
+                raise RolloutRefused("rollout_finished", f"rollout {rid} has finished")
+            raise RolloutRefused("unknown_rollout", f"no rollout {rid} is open")
+        if future.done():
+            raise RolloutRefused("rollout_finishing", f"rollout {rid} is being finished")
+        future.set_result(result)
+        try:
+            return await self._open[rid]
+        finally:
+            self._open.pop(rid, None)
+            self._results.pop(rid, None)
+
+    async def abandon(self, rid: str, reason: str) -> None:
+        """A rollout whose harness diverged from its journal: it is closed, and opening it
+        again starts it over as a fresh attempt (counted by reason)."""
+        task = self._open.pop(rid, None)
+        self._results.pop(rid, None)
+        await self.runner.start_over(rid, reason, task)
+
+    async def aclose(self) -> None:
+        """Rollouts still open end here (a checkpoint holds what they did)."""
+        for task in self._open.values():
+            task.cancel()
+        await asyncio.gather(*self._open.values(), return_exceptions=True)
+
+
 class EpisodeGateway:
     """`GatewayBackend` over an `EpisodeRunner`; every episode step runs on `loop`."""
 
-    def __init__(self, runner, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, runner: EpisodeRunner, loop: asyncio.AbstractEventLoop) -> None:
         self.runner, self.loop = runner, loop
         self._busy: set[str] = set()
+        self.outside: OutsideRollouts | None = None  # a standalone gateway's
 
     def rollouts(self) -> list[str]:
         return sorted(self.runner.contexts)
@@ -82,8 +163,8 @@ class EpisodeGateway:
             raise GatewayError(f"the worker refused the call: {err.text[:500]}",
                                reason="worker_rejected", status=400) from None  # fmt: skip
         except JournalDiverged as err:
-            if self.runner.opened_outside(rollout_id):  # the harness opens it again
-                await self.runner.abandon_rollout(rollout_id, err.reason)
+            if self.outside is not None and rollout_id in self.outside:  # opened again
+                await self.outside.abandon(rollout_id, err.reason)
                 again = "; open the rollout again to start it over"
             else:
                 again = "; the episode starts over"
@@ -119,16 +200,19 @@ class StandaloneGateway(EpisodeGateway):
     """A gateway whose rollouts are opened and finished from outside, and whose finished
     rollouts are leased for training over HTTP (`rollout-recovery gateway`)."""
 
-    def __init__(self, runner, loop: asyncio.AbstractEventLoop, weight_version: int) -> None:
+    def __init__(
+        self, runner: EpisodeRunner, loop: asyncio.AbstractEventLoop, weight_version: int
+    ) -> None:
         super().__init__(runner, loop)
         self.weight_version = weight_version
+        self.outside = OutsideRollouts(runner)
 
     async def open_rollout(self, body) -> dict:
         seed = body.seed
         if seed is None:  # stable per rollout, so a reopened rollout samples the same
             digest = hashlib.sha256(f"{body.group_id}/{body.generation_index}".encode()).digest()
             seed = int.from_bytes(digest[:7], "little")
-        opened = self.runner.open_rollout(body.group_id, body.generation_index, seed,
+        opened = self.outside.open(body.group_id, body.generation_index, seed,
                                           body.task, self.weight_version)  # fmt: skip
         try:
             st, restored = await self._on_loop(opened)
@@ -140,7 +224,7 @@ class StandaloneGateway(EpisodeGateway):
 
     async def finish_rollout(self, rollout_id: str, result: Any) -> dict:
         try:
-            outcome = await self._on_loop(self.runner.finish_rollout(rollout_id, result))
+            outcome = await self._on_loop(self.outside.finish(rollout_id, result))
         except RolloutRefused as err:
             raise _refusal(err) from None
         except Exception as err:  # the episode failed: its result or trajectory was unusable

@@ -1,10 +1,10 @@
 """RolloutEnvironment: the environment actor - episodes against the workers' OpenAI endpoints,
 and the environment's side of each checkpoint and restore (docs/design.md §2, §4).
 
-The work itself is `EpisodeRunner`'s, on one private event loop that owns the HTTP connection
-pools. The public methods here are synchronous, so Ray hosts this class as a threaded actor
-(`max_concurrency`) rather than on one event loop: a checkpoint's `prepare` must not queue
-behind a running `run_groups`.
+The work itself is `EpisodeRunner`'s and its parts', on one private event loop that owns the
+HTTP connection pools. The public methods here are synchronous, so Ray hosts this class as a
+threaded actor (`max_concurrency`) rather than on one event loop: a checkpoint's `prepare` must
+not queue behind a running `run_groups`.
 
 A job may run several of these (`placement.environment.actors`): actor `index` of `count`
 runs and records only the episodes whose rollout id is its own (`protocol.environment_of`);
@@ -45,6 +45,7 @@ class RolloutEnvironment:
         self.runner = EpisodeRunner(cfg, workers, store, scratch_root, index, count)
         self.refused: Counter[str] = Counter()  # restore_refused.<reason>
         self._gateway: GatewayServer | None = None
+        self._backend: EpisodeGateway | None = None
 
     @property
     def sink(self):
@@ -66,7 +67,7 @@ class RolloutEnvironment:
             backend = EpisodeGateway(self.runner, self._loop.loop)
         else:
             backend = StandaloneGateway(self.runner, self._loop.loop, standalone_weight_version)
-        self._gateway = GatewayServer()
+        self._gateway, self._backend = GatewayServer(), backend
         url = self._gateway.start(create_app(backend, token), g.host, g.port)
         self._loop.call(self.runner.serve_gateway, url, token)
         return url
@@ -106,11 +107,11 @@ class RolloutEnvironment:
 
     def worker_lost(self, index: int, cause: str) -> None:
         """The controller found worker `index` dead: new calls avoid it."""
-        self._loop.call(self.runner.worker_lost, index, cause)
+        self._loop.call(self.runner.dispatch.worker_lost, index, cause)
 
     def worker_replaced(self, index: int, handle: WorkerHandle) -> None:
         """A replacement on the current weights serves slot `index` from now on."""
-        self._loop.run(self.runner.worker_replaced(index, handle))
+        self._loop.run(self.runner.dispatch.worker_replaced(index, handle))
 
     def progress(self) -> EnvironmentProgress:
         """What the episodes are doing now (the controller's liveness watch)."""
@@ -122,5 +123,7 @@ class RolloutEnvironment:
     def close(self) -> None:
         if self._gateway is not None:
             self._gateway.stop()
+        if self._backend is not None and self._backend.outside is not None:
+            self._loop.run(self._backend.outside.aclose())
         self._loop.run(self.runner.aclose())
         self._loop.stop()

@@ -51,8 +51,8 @@ def _wait(pred, what: str, timeout: float = 60.0) -> None:
 
 
 def _call_in_flight(runner, rid: str) -> str:
-    _, call = runner.inflight.get(rid, (0, None))
-    return call.model_call_id if call is not None else ""
+    state = runner.calls.get(rid)
+    return state.attempt.model_call_id if state is not None and state.in_flight else ""
 
 
 def _checkpoint_then_crash(env: RolloutEnvironment, gid: str, seed: int, at_call: str, park: bool):
@@ -68,7 +68,10 @@ def _checkpoint_then_crash(env: RolloutEnvironment, gid: str, seed: int, at_call
         time.sleep(0.3)  # let the call decode a prefix
     cuts = env.prepare("ckpt-1", lease_s=60)
     if park:
-        _wait(lambda: rid not in runner.inflight and len(runner.episodes[rid].turns) > 0, "park")
+        _wait(
+            lambda: _call_in_flight(runner, rid) == "" and len(runner.episodes[rid].turns) > 0,
+            "park",
+        )
     records = env.commit("ckpt-1")
     run.cancel()  # the crash: this environment never continues
     env.close()

@@ -241,9 +241,13 @@ def test_a_restored_call_not_made_again_yet_keeps_its_continuation_at_a_checkpoi
         back = EpisodeState.from_record(st.to_record(cont), {e.entry_id: e for e in st.turns}.get)
         back.replay = back.replay[:2]  # replayed up to its call, which is not made yet
         back.journal = list(back.replay)
-        env.runner.episodes[back.rollout_id] = back
-        assert env.runner._continuation(back) == cont
-        assert back.to_record(env.runner._continuation(back)).continuation == cont
+        env.begin_restore("r1")
+        env._loop.run(env.runner.load("r1", [back]))  # the call waits on its continuation
+        env.runner.episodes[back.rollout_id] = env.runner.pending.pop(back.rollout_id)
+        assert env.runner.calls.continuation(back.rollout_id) == cont
+        env.prepare("k1", lease_s=60)
+        [record] = env.commit("k1").episodes
+        assert record.continuation == cont
     finally:
         env.close()
 
@@ -287,27 +291,28 @@ def test_the_rows_a_restored_call_resumes_from_survive_checkpoints_until_it_ends
 
     async def scenario() -> list[list[str]]:
         staging = _Staging([key, "r-g9/c0/a0/c000000"])  # the second: a dead call's row
-        runner = EpisodeRunner(cfg, WorkerPool([]), None)
-        runner.store, runner.clients = staging, [_HeldClient()]
+        runner = EpisodeRunner(cfg, WorkerPool([]), staging)
+        runner.dispatch.clients = [_HeldClient()]
         st.journal, st.turns = st.journal[:2], st.turns[:1]
-        st.attempt, st.continuation = 1, Continuation(call_id="c1", attempt=0, keys=[key],
-                                                      tokens=4, digest="00")  # fmt: skip
+        st.attempt = 1
+        cont = Continuation(call_id="c1", attempt=0, keys=[key], tokens=4, digest="00")
+        runner.calls.wait_on(st.rollout_id, cont, moved=False)
         runner.episodes[st.rollout_id] = st
         seen = []
         await runner.prepare("k1", lease_s=60)  # admission closed
-        call = asyncio.create_task(runner.call(st, [{"role": "user", "content": "x"}], {}))
+        call = asyncio.create_task(runner.dispatch.call(st, [{"role": "user", "content": "x"}], {}))
         await asyncio.sleep(0.05)  # parked
         records = await runner.commit("k1")
         seen.append(list(staging.keys))
         assert records.continuations[st.rollout_id].keys == [key]
         runner.participant.resume("k1")
         await asyncio.sleep(0.05)  # now in flight, resuming from the rows
-        assert st.rollout_id in runner.inflight
+        assert runner.calls.get(st.rollout_id).in_flight
         await runner.prepare("k2", lease_s=60)
         await runner.commit("k2")
         seen.append(list(staging.keys))
         runner.participant.resume("k2")
-        runner.clients[0].release.set()
+        runner.dispatch.clients[0].release.set()
         with pytest.raises(RuntimeError, match="released"):
             await call
         await runner.prepare("k3", lease_s=60)

@@ -15,9 +15,10 @@ import ray
 
 from rollout_recovery.config import load_config
 from rollout_recovery.data_plane.schemas import chunk_rows_to_table
+from rollout_recovery.environment.dispatch import EpisodeFailed
 from rollout_recovery.environment.episode import EpisodeState
 from rollout_recovery.environment.model_client import ModelCallFailed
-from rollout_recovery.environment.runner import EpisodeFailed, EpisodeRunner
+from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.generation.worker import WorkerHealth
 from rollout_recovery.protocol import RESUME_KEYS_ARG, RESUME_TOKENS_ARG, CallIdentity
@@ -70,14 +71,15 @@ DEAD = ray.exceptions.RayActorError()
 GONE = httpx.ConnectError("connection refused")
 
 
-def _runner(healths: list, errors: list, **failover) -> tuple[EpisodeRunner, list[Client]]:
+def _runner(
+    healths: list, errors: list, store=None, **failover
+) -> tuple[EpisodeRunner, list[Client]]:
     failover = {"replacement_wait_s": 1} | failover  # a broken move fails fast, never hangs
     overrides = [f"failover.{k}={v}" for k, v in failover.items()]
     cfg = load_config(None, ["token_capture.enabled=true", *overrides]).environment_config()
-    store = Store()
-    runner = EpisodeRunner(cfg, WorkerPool([Handle(h) for h in healths]), store)
-    runner.clients = [Client(e, f"w{i}") for i, e in enumerate(errors)]
-    return runner, runner.clients
+    runner = EpisodeRunner(cfg, WorkerPool([Handle(h) for h in healths]), store or Store())
+    runner.dispatch.clients = [Client(e, f"w{i}") for i, e in enumerate(errors)]
+    return runner, runner.dispatch.clients
 
 
 def _journaled(runner: EpisodeRunner, st: EpisodeState, sizes: list[int]) -> list:
@@ -88,7 +90,7 @@ def _journaled(runner: EpisodeRunner, st: EpisodeState, sizes: list[int]) -> lis
 
 
 def _call(runner: EpisodeRunner, st: EpisodeState):
-    return runner.call(st, [{"role": "user", "content": "hi"}], {})
+    return runner.dispatch.call(st, [{"role": "user", "content": "hi"}], {})
 
 
 async def test_a_call_moves_to_a_live_worker_from_its_journal_until_max_migrations():
@@ -132,7 +134,7 @@ async def test_a_failure_that_is_not_a_workers_death_is_raised_as_before(health,
     runner, _ = _runner([health], [error])
     with pytest.raises(type(error)):
         await _call(runner, EpisodeState("r-g0", "r", 0, 7, {}))
-    assert not runner.workers.lost and not runner.migrating
+    assert not runner.workers.lost and not any(c.moving for c in runner.calls)
     assert not any(k.startswith("migration") for k in runner.counts)
 
 
@@ -150,11 +152,11 @@ async def test_a_call_waits_for_a_replacement_and_fails_named_when_none_comes():
     assert runner.counts["migration_failed.no_live_worker"] == 1
     runner, _ = _runner([DEAD], [GONE], replacement_wait_s=30, max_migrations=1)
     replacement = Client(GONE, "new")
-    runner._client = lambda handle: replacement
+    runner.dispatch._client = lambda handle: replacement
     call = asyncio.ensure_future(_call(runner, EpisodeState("r-g0", "r", 0, 7, {})))
     await asyncio.sleep(0.1)
     assert not call.done()  # waiting for a live worker
-    await runner.worker_replaced(0, Handle(DEAD))
+    await runner.dispatch.worker_replaced(0, Handle(DEAD))
     with pytest.raises(EpisodeFailed, match="max_migrations"):
         await call
     assert [c[:3] for c in replacement.calls] == [("new", "c0", 1)]
@@ -177,14 +179,14 @@ async def test_a_checkpoint_during_a_move_keeps_the_lost_attempts_journal():
     """Between the failed call and its next attempt (its journal being read) a commit records
     the call as in flight, not cut, and its sweep keeps the lost attempt's rows: without that
     the move found no journal."""
-    runner, clients = _runner([DEAD, DEAD], [GONE, GONE], max_migrations=1)
-    runner.store = HeldStore()
+    runner, clients = _runner([DEAD, DEAD], [GONE, GONE], HeldStore(), max_migrations=1)
     st = EpisodeState("r-g0", "r", 0, 7, {})
     runner.episodes[st.rollout_id] = st
     rows = _journaled(runner, st, [8, 8])
     call = asyncio.ensure_future(_call(runner, st))
     await asyncio.sleep(0.05)  # failed, its worker found dead, its journal being read
-    assert st.rollout_id not in runner.inflight and st.rollout_id in runner.migrating
+    call_state = runner.calls.get(st.rollout_id)
+    assert not call_state.in_flight and call_state.lost is not None
     await runner.prepare("k1", lease_s=60)
     records = await runner.commit("k1")
     runner.participant.resume("k1")
