@@ -22,9 +22,9 @@
    the same loss and reward (exactly), generation logprobs within thresholds, the episodes'
    final tool states (each effect once), every restored episode re-admitted once, the final
    trainer checkpoint byte-identical to the reference's, no superseded chunk keys left; and,
-   from the engines' own records (rollout_recovery/campaign/engine_evidence.py): every cut
-   call resumed by its worker with exactly length - prefix tokens decoded, no committed turn
-   decoded again, no episode record refused. Per kill, the work lost to the crash is
+   from the engines' own records (rollout_recovery/testing/campaign/engine_evidence.py): every
+   cut call resumed by its worker with exactly length - prefix tokens decoded, no committed
+   turn decoded again, no episode record refused. Per kill, the work lost to the crash is
    measured at the run's level and at the coarser ones. Writes DIR/parity.json, prints a
    table, and exits non-zero on any violation; each violation names its property in
    brackets.
@@ -66,8 +66,8 @@ from processes import (  # noqa: E402
     signal_own,
 )
 
-from rollout_recovery.campaign import engine_evidence as evidence  # noqa: E402
-from rollout_recovery.campaign.crash_points import (  # noqa: E402
+from rollout_recovery.testing.campaign import engine_evidence as evidence  # noqa: E402
+from rollout_recovery.testing.campaign.crash_points import (  # noqa: E402
     batch,
     restore_events,
     session_records,
@@ -78,7 +78,7 @@ from rollout_recovery.campaign.crash_points import (  # noqa: E402
 )
 
 # Generation logprobs of a restored run against the reference, on CPU float32 (measured over
-# the functional runs, see the README): bit-identical where the resumed call's batch shape
+# the functional runs, docs/evidence.md): bit-identical where the resumed call's batch shape
 # matches the uninterrupted one, ~1e-7 apart where it does not. On a GPU use e.g. 0.5 and 1e-3
 # (kernels differ with batch shape more). A step below the share or above the difference fails.
 MIN_IDENTICAL_LOGPROBS = 0.5

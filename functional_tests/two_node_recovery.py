@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import recovery_check as rc
 from processes import alive_own, descendants, mark_this_check, signal_own
 
-from rollout_recovery.campaign import engine_evidence as evidence
-from rollout_recovery.campaign.crash_points import (
+from rollout_recovery.testing.campaign import engine_evidence as evidence
+from rollout_recovery.testing.campaign.crash_points import (
     restore_events,
     session_records,
     snapshot_keys,

@@ -16,19 +16,26 @@ through their Ray runtime environment. Nothing sets it outside tests.
   the chain and be decoded from scratch.
 
 `ROLLOUT_RECOVERY_FAULTFS=<state dir>` puts every local path the run resolves (snapshots,
-trainer checkpoints, logs) behind the fault-injecting filesystem (faultfs.py) sharing that
-state directory, in every process of the run; the crash campaign then simulates a power loss
-after a crash. Crash points (crashpoints.py) travel the same way.
+trainer checkpoints, logs) behind a fault-injecting filesystem sharing that state directory,
+in every process of the run; the crash campaign then simulates a power loss after a crash.
+Production code only offers the seam (`local_filesystem`): the wrapper is the function that
+`ROLLOUT_RECOVERY_FAULTFS_HOOK=<module>:<function>` names, called as `hook(fs, state_dir)`,
+and the testing wing arms both variables together (testing/faultfs.py, `armed_env`), so
+nothing here imports test machinery. Crash points (crashpoints.py) travel the same way.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable
+from functools import lru_cache
 
 import pyarrow.fs as pafs
 
 ENV = "ROLLOUT_RECOVERY_FAULTS"
 FAULTFS_ENV = "ROLLOUT_RECOVERY_FAULTFS"
+FAULTFS_HOOK_ENV = "ROLLOUT_RECOVERY_FAULTFS_HOOK"
 FAULTS = (
     "resume_disabled",
     "redecode_committed_turns",
@@ -56,7 +63,8 @@ def actor_env_vars() -> dict[str, str]:
     environment (empty when none is armed)."""
     from rollout_recovery import crashpoints
 
-    out = {k: os.environ[k] for k in (ENV, FAULTFS_ENV) if os.environ.get(k)}
+    keys = (ENV, FAULTFS_ENV, FAULTFS_HOOK_ENV)
+    out = {k: os.environ[k] for k in keys if os.environ.get(k)}
     return out | crashpoints.actor_env_vars()
 
 
@@ -65,6 +73,19 @@ def local_filesystem(fs: pafs.FileSystem) -> pafs.FileSystem:
     state = os.environ.get(FAULTFS_ENV)
     if not state:
         return fs
-    from rollout_recovery.faultfs import fault_filesystem
+    return _hook(os.environ.get(FAULTFS_HOOK_ENV, ""))(fs, state)
 
-    return fault_filesystem(fs, state, object_store=False)
+
+@lru_cache(maxsize=4)
+def _hook(spec: str) -> Callable[[pafs.FileSystem, str], pafs.FileSystem]:
+    """The wrapper `<module>:<function>` names; an armed fault filesystem without one, or
+    with one that does not load, stops the run rather than letting it write unfaulted."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ValueError(
+            f"{FAULTFS_ENV} is set but {FAULTFS_HOOK_ENV}={spec!r} names no <module>:<function>"
+        )
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"{FAULTFS_HOOK_ENV}={spec!r} does not load: {err}") from None

@@ -4,14 +4,15 @@ real job at every named crash point, then restore it and check what recovery pro
     python scripts/crash_campaign.py --json /tmp/campaign.json          # reduced (CI)
     python scripts/crash_campaign.py --json /tmp/campaign.json --full   # everything
 
-Snapshot files (rollout_recovery/campaign/snapshot_files.py): every byte prefix of every file
-and a bit flip at every byte of the manifest, the sidecars and the ownership log; data files
-get 64 evenly spread flips each (reduced) or one at every byte (`--full`). Outcome per case:
-restored exactly, or refused and fell back saying why; silent corruption must be 0.
+Snapshot files (rollout_recovery/testing/campaign/snapshot_files.py): every byte prefix of
+every file and a bit flip at every byte of the manifest, the sidecars and the ownership log;
+data files get 64 evenly spread flips each (reduced) or one at every byte (`--full`). Outcome
+per case: restored exactly, or refused and fell back saying why; silent corruption must be 0.
 
-Crash points (rollout_recovery/campaign/crash_points.py): a traced reference run of a small
-prefix-level GRPO job, then cases that SIGKILL the job at a crash point, restore it, finish
-it and check parity, exactly-once training, the engines' resume records and orphaned files.
+Crash points (rollout_recovery/testing/campaign/crash_points.py): a traced reference run of a
+small prefix-level GRPO job, then cases that SIGKILL the job at a crash point, restore it,
+finish it and check parity, exactly-once training, the engines' resume records and orphaned
+files.
 Reduced: three crashes in a row in one run under simulated power loss. `--full`: every point
 alone, every point under power loss, and two runs of three crashes in a row.
 
@@ -34,8 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rollout_recovery import crashpoints
-from rollout_recovery.campaign.crash_points import CHAINS, run_crash_campaign
-from rollout_recovery.campaign.snapshot_files import (
+from rollout_recovery.testing.campaign.crash_points import CHAINS, run_crash_campaign
+from rollout_recovery.testing.campaign.snapshot_files import (
     PARTITIONS,
     build_history,
     run_campaign,

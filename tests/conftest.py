@@ -47,12 +47,12 @@ def two_workers(ray_session, tiny_cfg):
 
 @pytest.fixture(scope="session")
 def crash_chain(tmp_path_factory):
-    """The reduced crash-point campaign (rollout_recovery/campaign/crash_points.py): one 3-step
-    run killed three times in a row under power loss and restored to the end, with the
-    uninterrupted reference run beside it. Its checks are in
+    """The reduced crash-point campaign (rollout_recovery/testing/campaign/crash_points.py):
+    one 3-step run killed three times in a row under power loss and restored to the end, with
+    the uninterrupted reference run beside it. Its checks are in
     tests/functional/test_crash_campaign.py; its finished run also serves
     tests/engine/test_train_failures.py. Returns (workdir, result)."""
-    from rollout_recovery.campaign import crash_points
+    from rollout_recovery.testing.campaign import crash_points
 
     work = tmp_path_factory.mktemp("crash-points")
     result = crash_points.run_crash_campaign(

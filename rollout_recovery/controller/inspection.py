@@ -27,6 +27,7 @@ from rollout_recovery.config import STORAGE_SCHEMES
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
 from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import SnapshotError
+from rollout_recovery.data_plane.filesystem import join, resolve
 from rollout_recovery.data_plane.snapshot_io import (
     MANIFEST_NAME,
     SNAPSHOT_DIR_RE,
@@ -34,10 +35,8 @@ from rollout_recovery.data_plane.snapshot_io import (
     check_files,
     file_name,
     file_path,
-    join,
     read_manifest,
     read_sidecar,
-    resolve,
     verify_snapshot,
 )
 from rollout_recovery.errors import one_line

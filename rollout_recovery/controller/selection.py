@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from rollout_recovery.config import CheckpointCoordinatorConfig
 from rollout_recovery.data_plane import SnapshotError, StagingStore
-from rollout_recovery.data_plane.snapshot_io import child_uri, list_snapshot_dirs
+from rollout_recovery.data_plane.filesystem import child_uri
+from rollout_recovery.data_plane.snapshot_io import list_snapshot_dirs
 from rollout_recovery.errors import RestoreError
 from rollout_recovery.protocol import LEDGER_FORMAT, Ledger
 from rollout_recovery.storage import RunStorage

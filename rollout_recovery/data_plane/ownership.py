@@ -1,8 +1,8 @@
 """The ownership log of a snapshot root: which controller may publish there (owner epochs).
 
 Layout: `<root>/ownership/<slot:010d>.json`, one entry per slot, each created exactly once with
-a create-only write (`create_only`: a hard link locally, `If-None-Match: *` on S3). Owner claims
-and snapshot publications share the one slot sequence:
+a create-only write (`filesystem.create_only`: a hard link locally, `If-None-Match: *` on S3).
+Owner claims and snapshot publications share the one slot sequence:
 
 * `claim` writes a `claim` entry with epoch 1 + the highest epoch in the log, at the next slot.
   Losing that slot to another claim raises OwnershipConflict; losing it to a publication
@@ -23,16 +23,13 @@ epoch 0, which any claim fences.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import re
 import socket
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from functools import lru_cache
 from typing import Literal
 
 import pyarrow.fs as pafs
@@ -40,6 +37,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout_recovery.data_plane import filesystem
 from rollout_recovery.data_plane.errors import OwnerFenced, OwnershipConflict, SnapshotError
+from rollout_recovery.data_plane.filesystem import create_only  # called by this name here
 
 __all__ = [
     "OWNERSHIP_DIR",
@@ -52,7 +50,6 @@ __all__ = [
     "OwnershipLog",
     "check_current",
     "claim",
-    "create_only",
     "publish_entry",
     "read_log",
 ]
@@ -265,94 +262,6 @@ def read_log(fs: pafs.FileSystem, root: str) -> OwnershipLog:
         except ValueError as err:
             log.unreadable[slot] = str(err)
     return log
-
-
-# ---------------------------------------------------------------------------- create-only
-
-
-def create_only(fs: pafs.FileSystem, path: str, data: bytes) -> bool:
-    """Create `path` with `data` unless the name exists: True when this call created it,
-    False when it already existed (never overwritten). Durable on return (locally: the file
-    and its directory are fsynced)."""
-    handler_create = getattr(getattr(fs, "handler", None), "create_only", None)
-    if handler_create is not None:
-        return handler_create(path, data)
-    if isinstance(fs, pafs.LocalFileSystem):
-        return _create_local(path, data)
-    if isinstance(fs, pafs.S3FileSystem):
-        return _create_s3(fs, path, data)
-    raise SnapshotError(
-        f"no create-only write on {fs.type_name} filesystems: snapshot ownership (owner "
-        "epochs) needs a local disk or S3 (put with If-None-Match)"
-    )
-
-
-def _create_local(path: str, data: bytes) -> bool:
-    parent, name = path.rsplit("/", 1)
-    tmp = f"{parent}/.{name}.tmp-{uuid.uuid4().hex[:8]}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    filesystem.sync_dir(pafs.LocalFileSystem(), parent)
-    return True
-
-
-@lru_cache(maxsize=16)
-def _s3_client(settings: tuple[tuple[str, str], ...]):
-    import boto3
-    from botocore import UNSIGNED
-    from botocore.config import Config
-
-    kw = dict(settings)
-    endpoint = kw.get("endpoint_override") or None
-    if endpoint and "://" not in endpoint:
-        endpoint = f"{kw.get('scheme') or 'https'}://{endpoint}"
-    config = Config(signature_version=UNSIGNED) if kw.get("anonymous") == "True" else None
-    return boto3.client(
-        "s3",
-        region_name=kw.get("region") or None,
-        endpoint_url=endpoint,
-        aws_access_key_id=kw.get("access_key") or None,
-        aws_secret_access_key=kw.get("secret_key") or None,
-        aws_session_token=kw.get("session_token") or None,
-        config=config,
-    )
-
-
-def _create_s3(fs: pafs.S3FileSystem, path: str, data: bytes) -> bool:
-    """One PUT with If-None-Match: *: S3 answers 412 when the key exists. The client is built
-    from the settings pyarrow's filesystem was built with (credentials, endpoint, region)."""
-    from botocore.exceptions import ClientError
-
-    kwargs = fs.__reduce__()[1][0]
-    keys = ("access_key", "secret_key", "session_token", "anonymous", "region", "scheme",
-            "endpoint_override")  # fmt: skip
-    client = _s3_client(tuple((k, str(kwargs.get(k) or "")) for k in keys))
-    bucket, _, key = path.lstrip("/").partition("/")
-    for _ in range(5):
-        try:
-            client.put_object(Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
-            return True
-        except ClientError as err:
-            code = err.response.get("Error", {}).get("Code", "")
-            status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "PreconditionFailed" or status == 412:
-                return False
-            if code == "ConditionalRequestConflict" or status == 409:
-                continue  # a concurrent conditional write to the key: ask again
-            raise OSError(errno.EIO, f"create-only put of s3://{path} failed: {err}") from None
-    raise OSError(errno.EIO, f"create-only put of s3://{path} kept conflicting")
 
 
 # ---------------------------------------------------------------------------- claims, publishing

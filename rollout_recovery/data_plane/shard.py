@@ -18,14 +18,13 @@ import pyarrow.fs as pafs
 
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
+from rollout_recovery.data_plane.filesystem import join, resolve
 from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
 from rollout_recovery.data_plane.schemas import SCHEMAS, conform, schema_version
 from rollout_recovery.data_plane.snapshot_io import (
     FileEntry,
     LeaseEntry,
-    join,
     read_partitions,
-    resolve,
     write_table_checksummed,
 )
 

@@ -18,10 +18,10 @@ A full snapshot (no `base`) starts a new chain.
 Durability order (docs/storage.md): each data file is fsynced, then its directory; each
 sidecar likewise; then the manifest is written under a temporary name and fsynced, the
 snapshot directory fsynced, the manifest moved into place, and the snapshot directory and the
-root fsynced. Every fsync goes through `sync_file` / `sync_dir`: os.fsync on a local disk, the
-handler's recorded fsync on a fault-injecting filesystem (rollout_recovery.faultfs), nothing
-on object stores (an upload is durable once its stream closes). An fsync error ends the
-attempt: it propagates, unretried.
+root fsynced. Every fsync goes through `filesystem.sync_file` / `sync_dir`: os.fsync on a local
+disk, the handler's recorded fsync on a fault-injecting filesystem (testing/faultfs.py),
+nothing on object stores (an upload is durable once its stream closes). An fsync error ends
+the attempt: it propagates, unretried.
 
 Publication: a snapshot exists only once its MANIFEST.json is in place. The manifest is
 written under a temporary name, then moved into place (an atomic rename locally, a single
@@ -31,11 +31,8 @@ deadline has not passed; so once `PublishGate.abort()` returns True the snapshot
 appear, and when it returns False it already has. Readers ignore directories without a
 manifest.
 
-Retention: a published snapshot counts only if it verifies (`verify_snapshot`: manifest
-checksum and format, every listed file's size and sha256, the chain's included). `gc` keeps
-the newest k that verify and deletes only directories older than the oldest one kept, plus
-unpublished ones older than the newest one kept, never a directory holding a file that a kept
-snapshot lists; when none verifies it deletes nothing.
+Retention (which snapshots to delete) is `retention.py`; it counts a published snapshot only
+if `verify_snapshot` passes.
 """
 
 from __future__ import annotations
@@ -62,6 +59,7 @@ import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
 from rollout_recovery.crashpoints import crash_point
+from rollout_recovery.data_plane import filesystem as fsys
 from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import (
     BadInputError,
@@ -69,15 +67,6 @@ from rollout_recovery.data_plane.errors import (
     SnapshotCorruptError,
     SnapshotError,
     SnapshotNotFoundError,
-)
-from rollout_recovery.data_plane.filesystem import (
-    _is_local,
-    child_uri,
-    join,
-    make_dirs,
-    resolve,
-    sync_dir,
-    sync_file,
 )
 from rollout_recovery.data_plane.schemas import check_version
 from rollout_recovery.protocol import ID_RE
@@ -227,15 +216,15 @@ def write_table_checksummed(fs: pafs.FileSystem, path: str, table: pa.Table) -> 
     """
     parent = path.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
-    if not _is_local(fs):
+    if not fsys._is_local(fs):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         data = sink.getvalue()
         with fs.open_output_stream(path) as out:
             out.write(data)
-        sync_file(fs, path)
-        sync_dir(fs, parent)
+        fsys.sync_file(fs, path)
+        fsys.sync_dir(fs, parent)
         return hashlib.sha256(data).hexdigest(), data.size
     with fs.open_output_stream(path) as out, pa.ipc.new_file(out, table.schema) as writer:
         writer.write_table(table)
@@ -243,10 +232,10 @@ def write_table_checksummed(fs: pafs.FileSystem, path: str, table: pa.Table) -> 
     hasher = threading.Thread(target=lambda: digest.append(_sha256_of_file(path)))
     hasher.start()
     try:
-        sync_file(fs, path)
+        fsys.sync_file(fs, path)
     finally:
         hasher.join()
-    sync_dir(fs, parent)
+    fsys.sync_dir(fs, parent)
     return digest[0], os.path.getsize(path)
 
 
@@ -254,8 +243,8 @@ def file_path(snapshot_dir: str, entry: FileEntry) -> str:
     """Where a listed file lies: in the snapshot's directory, or in the earlier snapshot's
     directory (a sibling under the same root) that wrote it."""
     if entry.snapshot is None:
-        return join(snapshot_dir, entry.path)
-    return join(snapshot_dir.rstrip("/").rsplit("/", 1)[0], entry.snapshot, entry.path)
+        return fsys.join(snapshot_dir, entry.path)
+    return fsys.join(snapshot_dir.rstrip("/").rsplit("/", 1)[0], entry.snapshot, entry.path)
 
 
 def file_name(entry: FileEntry) -> str:
@@ -267,7 +256,7 @@ def read_verified(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> p
     """Read one snapshot file, checking size, sha256, row count and schema against its entry."""
     path = file_path(snapshot_dir, entry)
     try:
-        if _is_local(fs):
+        if fsys._is_local(fs):
             # Zero-copy: the table's buffers stay backed by the (immutable) snapshot file.
             data = pa.memory_map(path).read_buffer()
         else:
@@ -360,18 +349,18 @@ def read_partitions(
 def write_sidecar(fs: pafs.FileSystem, snapshot_dir: str, name: str, data: bytes) -> SidecarEntry:
     if not ID_RE.fullmatch(name):
         raise ValueError(f"invalid sidecar name {name!r}")
-    path = join(snapshot_dir, "sidecars", name)
-    fs.create_dir(join(snapshot_dir, "sidecars"), recursive=True)
+    path = fsys.join(snapshot_dir, "sidecars", name)
+    fs.create_dir(fsys.join(snapshot_dir, "sidecars"), recursive=True)
     with fs.open_output_stream(path) as out:
         out.write(data)
-    sync_file(fs, path)
-    sync_dir(fs, join(snapshot_dir, "sidecars"))
+    fsys.sync_file(fs, path)
+    fsys.sync_dir(fs, fsys.join(snapshot_dir, "sidecars"))
     crash_point("sidecar_written")
     return SidecarEntry(name=name, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
 def read_sidecar(fs: pafs.FileSystem, snapshot_dir: str, entry: SidecarEntry) -> bytes:
-    path = join(snapshot_dir, "sidecars", entry.name)
+    path = fsys.join(snapshot_dir, "sidecars", entry.name)
     try:
         with fs.open_input_stream(path) as f:
             data = f.read()
@@ -408,21 +397,21 @@ def publish_manifest(
     while publishing raises it when its create-only write of the entry loses.
 
     Raises SnapshotAborted, publishing nothing, when the gate was aborted or `deadline` passed;
-    the temporary file is invisible to readers and goes with its directory in `gc`.
+    the temporary file is invisible to readers and goes with its directory in `retention.gc`.
     """
     manifest = Manifest(body=body, sha256=_body_digest(body))
-    tmp = join(snapshot_dir, f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp = fsys.join(snapshot_dir, f".{MANIFEST_NAME}.tmp-{uuid.uuid4().hex[:8]}")
     with fs.open_output_stream(tmp) as out:
         out.write(manifest.model_dump_json(indent=1).encode())
-    sync_file(fs, tmp)
-    sync_dir(fs, snapshot_dir)
+    fsys.sync_file(fs, tmp)
+    fsys.sync_dir(fs, snapshot_dir)
     crash_point("manifest_written")
     root, name = snapshot_dir.rstrip("/").rsplit("/", 1)
     with (gate or PublishGate()).publishing(snapshot_dir, deadline) as published:
         log = ownership.prepare_publish(fs, root, owner)
-        fs.move(tmp, join(snapshot_dir, MANIFEST_NAME))
-        sync_dir(fs, snapshot_dir)
-        sync_dir(fs, root)
+        fs.move(tmp, fsys.join(snapshot_dir, MANIFEST_NAME))
+        fsys.sync_dir(fs, snapshot_dir)
+        fsys.sync_dir(fs, root)
         published()  # from here on the attempt may be visible: an error still counts
         crash_point("manifest_moved")
         ownership.publish_entry(fs, root, owner, name, manifest.sha256, log)
@@ -431,7 +420,7 @@ def publish_manifest(
 
 
 def read_manifest(fs: pafs.FileSystem, snapshot_dir: str) -> Manifest:
-    path = join(snapshot_dir, MANIFEST_NAME)
+    path = fsys.join(snapshot_dir, MANIFEST_NAME)
     try:
         with fs.open_input_stream(path) as f:
             raw = f.read()
@@ -469,7 +458,7 @@ def _verified_key(
 
 def _file_digest(fs: pafs.FileSystem, path: str) -> tuple[str, int]:
     """(sha256, bytes) of a file, read once: memory-mapped locally, streamed elsewhere."""
-    if _is_local(fs):
+    if fsys._is_local(fs):
         with pa.memory_map(path) as mm:
             data = mm.read_buffer()
             return hashlib.sha256(data).hexdigest(), data.size
@@ -597,7 +586,7 @@ def _list_snapshot_dirs(
     out = []
     for seq, path in _snapshot_dir_infos(fs, root):
         name = path.rstrip("/").rsplit("/", 1)[-1]
-        if fs.get_file_info(join(path, MANIFEST_NAME)).type != pafs.FileType.File:
+        if fs.get_file_info(fsys.join(path, MANIFEST_NAME)).type != pafs.FileType.File:
             out.append(SnapshotDir(seq, path, False))
             continue
         if name not in publications:
@@ -621,7 +610,7 @@ def list_snapshot_dirs(
     root_uri: str, filesystem: pafs.FileSystem | None = None
 ) -> tuple[list[SnapshotDir], ownership.OwnershipLog]:
     """Every snapshot directory under root_uri (oldest first) and the ownership log read."""
-    fs, root = resolve(root_uri, filesystem)
+    fs, root = fsys.resolve(root_uri, filesystem)
     log = ownership.read_log(fs, root)
     return _list_snapshot_dirs(fs, root, log), log
 
@@ -631,8 +620,8 @@ def new_snapshot_dir(fs: pafs.FileSystem, root: str) -> tuple[int, str]:
     name becomes durable when it is published."""
     dirs = _snapshot_dir_infos(fs, root)
     seq = (dirs[-1][0] + 1) if dirs else 1
-    path = join(root, f"snapshot-{seq:010d}-{uuid.uuid4().hex[:8]}")
-    make_dirs(fs, root.rstrip("/"))
+    path = fsys.join(root, f"snapshot-{seq:010d}-{uuid.uuid4().hex[:8]}")
+    fsys.make_dirs(fs, root.rstrip("/"))
     fs.create_dir(path, recursive=True)
     return seq, path
 
@@ -644,15 +633,15 @@ def latest_published(fs: pafs.FileSystem, root: str) -> str | None:
 
 def latest_uri(root_uri: str, filesystem: pafs.FileSystem | None = None) -> str | None:
     """URI of the newest published snapshot under root_uri, or None."""
-    fs, root = resolve(root_uri, filesystem)
+    fs, root = fsys.resolve(root_uri, filesystem)
     found = latest_published(fs, root)
-    return None if found is None else child_uri(root_uri, found.rstrip("/").rsplit("/", 1)[-1])
+    return None if found is None else fsys.child_uri(root_uri, found.rstrip("/").rsplit("/", 1)[-1])
 
 
 def published_uris(root_uri: str, filesystem: pafs.FileSystem | None = None) -> list[str]:
     """URIs of every published snapshot under root_uri, oldest first."""
-    fs, root = resolve(root_uri, filesystem)
-    return [child_uri(root_uri, d.name) for d in _list_snapshot_dirs(fs, root) if d.published]
+    fs, root = fsys.resolve(root_uri, filesystem)
+    return [fsys.child_uri(root_uri, d.name) for d in _list_snapshot_dirs(fs, root) if d.published]
 
 
 def require_latest(root_uri: str) -> str:
@@ -660,68 +649,6 @@ def require_latest(root_uri: str) -> str:
     if found is None:
         raise SnapshotNotFoundError(f"no published snapshot under {root_uri}")
     return found
-
-
-def _newest_verified(fs: pafs.FileSystem, dirs: list[SnapshotDir], k: int) -> list[int]:
-    """Indices into `dirs` of the newest k published snapshots that verify, newest first."""
-    found: list[int] = []
-    for i in range(len(dirs) - 1, -1, -1):
-        if len(found) == k:
-            break
-        path, published = dirs[i].path, dirs[i].published
-        if not published:
-            continue
-        try:
-            verify_snapshot(fs, path)
-        except SnapshotError as err:
-            log.warning("snapshot %s does not verify; retention skips it: %s", path, err)
-            continue
-        found.append(i)
-    return found
-
-
-def gc(
-    fs: pafs.FileSystem, root: str, keep_latest_k: int, owner: ownership.Owner | None = None
-) -> list[str]:
-    """Retention that never deletes the newest restorable snapshot; returns the deleted paths.
-
-    Keeps the newest keep_latest_k snapshots that verify. Deletes every directory older than
-    the oldest of them, and an unpublished one (no manifest) also when it is older than the
-    newest kept one: a snapshot published after it began means its attempt is over. A
-    directory holding files a kept (incremental) snapshot lists stays until none does. A corrupt
-    snapshot among or after the kept ones stays (for inspection), so does a newer unpublished
-    one (it may still be being written); when no snapshot verifies nothing is deleted.
-
-    First of all, `owner` (None: epoch 0) must still own the root: when the ownership log
-    holds a newer claim, OwnerFenced is raised and nothing is deleted. The log entries at
-    slots below the oldest kept snapshot's publish entry are pruned too, never the newest
-    claim.
-    """
-    if keep_latest_k < 1:
-        raise ValueError("keep_latest_k must be >= 1")
-    log = ownership.read_log(fs, root)
-    ownership.check_current(log, owner, "deleting or publishing anything")
-    dirs = _list_snapshot_dirs(fs, root, log)
-    kept = _newest_verified(fs, dirs, keep_latest_k)
-    if not kept:
-        return []
-    oldest, newest = min(kept), max(kept)
-    referenced = {name for i in kept for name in read_manifest(fs, dirs[i].path).body.chain()}
-    doomed = [
-        d.path
-        for i, d in enumerate(dirs)
-        if (i < oldest or (not d.published and i < newest)) and d.name not in referenced
-    ]
-    for d in doomed:
-        fs.delete_dir(d)
-        crash_point("retention_deleted")
-    _forget_verified(doomed)
-    # A referenced snapshot keeps its publish entry: it stays published while it is kept.
-    slots = [d.slot for i, d in enumerate(dirs) if i == oldest or d.name in referenced]
-    oldest_slot = min((slot for slot in slots if slot is not None), default=None)
-    if oldest_slot is not None:
-        ownership.prune(fs, log, oldest_slot)
-    return doomed
 
 
 def now_iso() -> str:

@@ -27,7 +27,9 @@ from rollout_recovery.data_plane.errors import (
     SnapshotCorruptError,
     UnknownPartitionError,
 )
+from rollout_recovery.data_plane.filesystem import child_uri, join, resolve
 from rollout_recovery.data_plane.ownership import Owner, claim
+from rollout_recovery.data_plane.retention import gc
 from rollout_recovery.data_plane.schemas import SCHEMAS, check_version, conform
 from rollout_recovery.data_plane.shard import StoreShard, shard_of
 from rollout_recovery.data_plane.snapshot_io import (
@@ -36,16 +38,12 @@ from rollout_recovery.data_plane.snapshot_io import (
     ManifestBody,
     PublishGate,
     check_files,
-    child_uri,
-    gc,
-    join,
     latest_uri,
     new_snapshot_dir,
     now_iso,
     publish_manifest,
     read_manifest,
     read_sidecar,
-    resolve,
     verify_snapshot,
     write_sidecar,
 )
@@ -671,7 +669,7 @@ class StagingStore:
         owner: Owner | None = None,
     ) -> list[str]:
         """Keep the newest keep_latest_k snapshots that verify; delete only directories older
-        than the oldest of them (see snapshot_io.gc). OwnerFenced, deleting nothing, when a
+        than the oldest of them (see retention.gc). OwnerFenced, deleting nothing, when a
         newer controller than `owner` claimed the root."""
         fs, root = _resolve(root_uri, filesystem)
         return gc(fs, root, keep_latest_k, owner)

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import numpy as np
 import pyarrow as pa
 
-from rollout_recovery.campaign.snapshot_files import chunk_rows, key_tokens, replay_rows
 from rollout_recovery.data_plane.digest import token_digest
 from rollout_recovery.data_plane.schemas import (
     list_rows,
 )
+from rollout_recovery.testing.campaign.snapshot_files import chunk_rows, key_tokens, replay_rows
 
 
 def chunk_table(keys: list[str], tokens: int = 64) -> pa.Table:

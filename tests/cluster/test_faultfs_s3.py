@@ -10,8 +10,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from rollout_recovery.data_plane import StagingStore
-from rollout_recovery.data_plane.snapshot_io import resolve, sync_file
-from rollout_recovery.faultfs import FaultFs, fault_filesystem
+from rollout_recovery.data_plane.filesystem import resolve, sync_file
+from rollout_recovery.testing.faultfs import FaultFs, fault_filesystem
 from tests.cluster.store_helpers import chunk_table, local_s3, replay_table
 
 pytestmark = pytest.mark.cluster

@@ -11,10 +11,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from rollout_recovery.campaign.snapshot_files import capture_rows, same_rows
 from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.errors import SnapshotCorruptError
 from rollout_recovery.data_plane.snapshot_io import PublishGate, SnapshotAborted, published_uris
+from rollout_recovery.testing.campaign.snapshot_files import capture_rows, same_rows
 from tests.cluster.store_helpers import chunk_table, local_s3, replay_table
 
 pytestmark = pytest.mark.cluster
@@ -192,7 +192,7 @@ def test_after_a_restore_the_next_snapshot_is_full(make_store, tmp_path):
 
 
 def test_incremental_snapshots_on_s3(make_store):
-    from rollout_recovery.data_plane.snapshot_io import resolve
+    from rollout_recovery.data_plane.filesystem import resolve
 
     with local_s3("rr-inc", "snaps") as root:
         fs, _ = resolve(root)

@@ -8,8 +8,8 @@ import hashlib
 
 import pytest
 
-from rollout_recovery.campaign import snapshot_files as campaign
-from rollout_recovery.data_plane import StagingStore, snapshot_io
+from rollout_recovery.data_plane import StagingStore, filesystem, snapshot_io
+from rollout_recovery.testing.campaign import snapshot_files as campaign
 
 pytestmark = pytest.mark.cluster
 
@@ -52,7 +52,7 @@ def test_campaign_reports_silent_corruption_when_checksums_are_skipped(
     real_read = snapshot_io.read_verified
 
     def read_unchecked(fs, snapshot_dir, entry):
-        with open(snapshot_io.join(snapshot_dir, entry.path), "rb") as f:
+        with open(filesystem.join(snapshot_dir, entry.path), "rb") as f:
             data = f.read()
         lax = entry.model_copy(update={"sha256": hashlib.sha256(data).hexdigest()})
         return real_read(fs, snapshot_dir, lax)

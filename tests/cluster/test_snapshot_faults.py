@@ -12,7 +12,7 @@ import pytest
 
 from rollout_recovery.data_plane import SnapshotCorruptError, StagingStore
 from rollout_recovery.data_plane.snapshot_io import MANIFEST_NAME, published_uris
-from rollout_recovery.faultfs import FaultFs, Op, fault_filesystem
+from rollout_recovery.testing.faultfs import FaultFs, Op, fault_filesystem
 from tests.cluster.store_helpers import chunk_table, replay_table
 
 pytestmark = pytest.mark.cluster

@@ -14,7 +14,8 @@ import pytest
 from rollout_recovery.cli import main
 from rollout_recovery.controller.inspection import list_snapshots, show_snapshot, verify_location
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
-from rollout_recovery.data_plane.snapshot_io import MANIFEST_NAME, resolve
+from rollout_recovery.data_plane.filesystem import resolve
+from rollout_recovery.data_plane.snapshot_io import MANIFEST_NAME
 from rollout_recovery.protocol import Continuation, EpisodeRecord, Ledger, ServedModel, TurnRef
 from tests.cluster.store_helpers import local_s3, replay_table
 
@@ -217,7 +218,7 @@ def s3_run():
 
 
 def test_s3_ls_show_and_verify(make_store, s3_run, capsys):
-    from rollout_recovery.data_plane.snapshot_io import child_uri
+    from rollout_recovery.data_plane.filesystem import child_uri
 
     fs, _ = resolve(s3_run)
     fs.create_dir("rr-inspect")

@@ -17,7 +17,7 @@ from rollout_recovery.data_plane import (
     SnapshotAborted,
     SnapshotCorruptError,
     StagingStore,
-    ownership,
+    filesystem,
     snapshot_io,
 )
 from rollout_recovery.data_plane import store as store_module
@@ -79,7 +79,7 @@ class _StallingFs(pafs.FileSystemHandler):
         self.local.copy_file(src, dest)
 
     def create_only(self, path, data):  # the ownership log's create-only write
-        return ownership.create_only(self.local, path, data)
+        return filesystem.create_only(self.local, path, data)
 
     def open_input_stream(self, path):
         return self.local.open_input_stream(path)
@@ -107,7 +107,7 @@ def stall_publish(monkeypatch):
         handlers.append(handler)
 
         def resolve(uri: str) -> tuple[pafs.FileSystem, str]:
-            _, path = snapshot_io.resolve(uri)
+            _, path = filesystem.resolve(uri)
             return pafs.PyFileSystem(handler), path
 
         monkeypatch.setattr(store_module, "resolve", resolve)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import pyarrow.fs as pafs
 import pytest
 
-from rollout_recovery.data_plane import StagingStore, ownership, snapshot_io
+from rollout_recovery.data_plane import StagingStore, filesystem, ownership, retention, snapshot_io
 from rollout_recovery.data_plane.ownership import Owner, OwnerFenced, OwnershipConflict
 from rollout_recovery.errors import RecoveryError
 from tests.cluster.store_helpers import (
@@ -38,7 +38,7 @@ def root_uri(request, tmp_path) -> Iterator[str]:
 
 
 def _fs(root_uri: str) -> tuple[pafs.FileSystem, str]:
-    return snapshot_io.resolve(root_uri)
+    return filesystem.resolve(root_uri)
 
 
 def _invariant_violations(log: ownership.OwnershipLog) -> list[str]:
@@ -201,7 +201,7 @@ def test_racing_publications_and_claims_keep_the_invariant(root_uri):
     listed = {_name(u) for u in snapshot_io.published_uris(root_uri)}
     assert listed == {name for name, _ in published} and published
     for name, data in published:
-        uri = snapshot_io.child_uri(root_uri, name)
+        uri = filesystem.child_uri(root_uri, name)
         manifest = StagingStore.verify(uri, use_cache=False)
         assert StagingStore.read_sidecar(uri, "ledger.json").decode() == data
         assert manifest.body.sidecars[0].name == "ledger.json"
@@ -296,7 +296,7 @@ def test_an_unreadable_entry_after_the_claim_fails_closed(tmp_path):
     with pytest.raises(OwnerFenced, match=f"{torn.name} .*unreadable"):
         _empty_snapshot(fs, root, 1, a)
     with pytest.raises(OwnerFenced, match="unreadable"):
-        snapshot_io.gc(fs, root, 1, a)
+        retention.gc(fs, root, 1, a)
     assert snapshot_io.latest_published(fs, root) is None
     b = ownership.claim(fs, root)  # a new claim counts the unreadable slot as a possible claim
     assert b.epoch > a.slot + 1
@@ -304,10 +304,10 @@ def test_an_unreadable_entry_after_the_claim_fails_closed(tmp_path):
 
 def test_create_only_never_overwrites(root_uri):
     fs, root = _fs(root_uri)
-    snapshot_io.make_dirs(fs, root)
-    path = snapshot_io.join(root, "x.json")
-    assert ownership.create_only(fs, path, b"first") is True
-    assert ownership.create_only(fs, path, b"second") is False
+    filesystem.make_dirs(fs, root)
+    path = filesystem.join(root, "x.json")
+    assert filesystem.create_only(fs, path, b"first") is True
+    assert filesystem.create_only(fs, path, b"second") is False
     with fs.open_input_stream(path) as f:
         assert f.read() == b"first"
 

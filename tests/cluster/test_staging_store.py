@@ -415,7 +415,7 @@ def s3_root():
 
 
 def test_s3_snapshot_latest_and_restore(make_store, s3_root):
-    from rollout_recovery.data_plane.snapshot_io import resolve
+    from rollout_recovery.data_plane.filesystem import resolve
 
     fs, _ = resolve(s3_root)
     fs.create_dir("rr-test")

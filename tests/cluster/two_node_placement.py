@@ -10,12 +10,12 @@ if __name__ == "__main__":
     from ray.cluster_utils import Cluster
     from ray.util import placement_group_table
 
-    from rollout_recovery.campaign.snapshot_files import replay_rows
     from rollout_recovery.config import load_config
     from rollout_recovery.data_plane import StagingStore
     from rollout_recovery.environment.client import EnvironmentClient
     from rollout_recovery.generation.pool import WorkerPool
     from rollout_recovery.placement import place_job
+    from rollout_recovery.testing.campaign.snapshot_files import replay_rows
 
     cluster = Cluster(
         initialize_head=True,

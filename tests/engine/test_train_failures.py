@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_recovery.campaign.crash_points import JOB
+from rollout_recovery.testing.campaign.crash_points import JOB
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.engine

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from rollout_recovery import protocol
-from rollout_recovery.campaign import crash_points as campaign
-from rollout_recovery.campaign import engine_evidence
+from rollout_recovery.testing.campaign import crash_points as campaign
+from rollout_recovery.testing.campaign import engine_evidence
 
 pytestmark = pytest.mark.engine
 CHAIN = campaign.CHAINS[0]

@@ -1,6 +1,6 @@
 """The fault-injecting filesystem on a tmp dir through the LocalFileSystem: the journal, torn
-writes, power loss against the durable state, bit flips, injected errors, and the snapshot
-layer's one fsync seam."""
+writes, power loss against the durable state, bit flips, injected errors, the snapshot
+layer's one fsync seam, and the seam that puts a whole run behind it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from rollout_recovery.data_plane import filesystem, snapshot_io
-from rollout_recovery.faultfs import FaultFs, Op, fault_filesystem
+from rollout_recovery import faults
+from rollout_recovery.data_plane import filesystem
+from rollout_recovery.testing.faultfs import HOOK, FaultFs, Op, armed_env, fault_filesystem
 
 
 @pytest.fixture
@@ -43,9 +44,9 @@ def _durable_write(fs: pafs.PyFileSystem, path: Path, data: bytes) -> None:
 
 def test_the_journal_records_every_operation(ffs, d):
     _write(ffs, d / "a", b"x")
-    snapshot_io.sync_file(ffs, str(d / "a"))
+    filesystem.sync_file(ffs, str(d / "a"))
     ffs.create_dir(str(d / "sub"))
-    snapshot_io.sync_dir(ffs, str(d))
+    filesystem.sync_dir(ffs, str(d))
     ffs.move(str(d / "a"), str(d / "sub" / "b"))
     ffs.delete_file(str(d / "sub" / "b"))
     ffs.delete_dir(str(d / "sub"))
@@ -148,7 +149,7 @@ def _op(kind: str, ffs: pafs.PyFileSystem, d: Path, i: int) -> None:
         return
     (d / f"f{i}").write_bytes(b"data")
     if kind == "fsync":
-        snapshot_io.sync_file(ffs, str(path))
+        filesystem.sync_file(ffs, str(path))
     elif kind == "move":
         ffs.move(str(path), str(d / f"g{i}"))
     else:
@@ -173,7 +174,7 @@ def test_an_injected_fsync_error_leaves_the_bytes_undurable(ffs, d):
     _h(ffs).fsync(str(d), directory=True)
     _h(ffs).fail("fsync", "*/f")
     with pytest.raises(OSError):
-        snapshot_io.sync_file(ffs, str(d / "f"))
+        filesystem.sync_file(ffs, str(d / "f"))
     _h(ffs).power_loss()
     assert (d / "f").read_bytes() == b""
 
@@ -199,3 +200,25 @@ def test_the_fsync_seam(tmp_path, monkeypatch):
     remote = pafs.SubTreeFileSystem(str(tmp_path), local)  # stands for an object store
     filesystem.sync_file(remote, "f")
     assert len(synced) == 2, "nothing to fsync on an object store"
+
+
+def test_the_run_seam_takes_the_wrapper_the_environment_names(tmp_path, monkeypatch):
+    """Production never imports the testing wing: an armed run resolves its local paths
+    through the hook that the environment names (faults.local_filesystem), and refuses an
+    armed fault filesystem without one rather than run unfaulted."""
+    for name in (faults.FAULTFS_ENV, faults.FAULTFS_HOOK_ENV):
+        monkeypatch.delenv(name, raising=False)
+    local = pafs.LocalFileSystem()
+    assert faults.local_filesystem(local) is local
+    monkeypatch.setenv(faults.FAULTFS_ENV, str(tmp_path / "state"))
+    with pytest.raises(ValueError, match="names no <module>:<function>"):
+        filesystem.resolve(str(tmp_path / "run"))
+    monkeypatch.setenv(faults.FAULTFS_HOOK_ENV, "rollout_recovery.faults:no_such_hook")
+    with pytest.raises(ValueError, match="does not load"):
+        filesystem.resolve(str(tmp_path / "run"))
+    for name, value in armed_env(tmp_path / "state").items():
+        monkeypatch.setenv(name, value)
+    fs, path = filesystem.resolve(str(tmp_path / "run"))
+    assert isinstance(fs.handler, FaultFs) and not fs.handler.object_store
+    assert path == str(tmp_path / "run")
+    assert faults.actor_env_vars()[faults.FAULTFS_HOOK_ENV] == HOOK

@@ -1,9 +1,14 @@
-"""No import cycle at load time anywhere in the package.
+"""No import cycle at load time anywhere in the package, and no production module reaching
+into the testing wing.
 
 A cycle between modules works only while the order in which they are first imported happens to
 suit it; the next import added elsewhere breaks it at load time. The graph is read from the
 source: module-level imports only (an import inside a function runs later, one under
 `if TYPE_CHECKING:` never), and importing `a.b.c` also runs `a.b`'s `__init__`.
+
+`rollout_recovery.testing` (the fault-injecting filesystem, the crash campaigns) is test
+machinery: no module outside it may import it, at load time or later, nor name it in a string
+(an importlib target). It reaches production through seams production offers instead.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "rollout_recovery"
+TESTING = "rollout_recovery.testing"
 
 
 def module_files(root: Path) -> dict[str, Path]:
@@ -41,24 +47,36 @@ def _top_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
     return found
 
 
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _import_targets(
+    node: ast.Import | ast.ImportFrom, package: str, files: dict[str, Path]
+) -> set[str]:
+    """The dotted names one import statement in `package` imports."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    base = node.module or ""
+    if node.level:
+        anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join([*anchor, *([base] if base else [])])
+    targets = set()
+    for alias in node.names:  # `from pkg import mod` imports a module
+        full = f"{base}.{alias.name}"
+        targets.add(full if full in files else base)
+    return targets
+
+
 def load_time_graph(root: Path) -> dict[str, set[str]]:
     """Each module's package modules run when it is first imported."""
     files = module_files(root)
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        package = _package_of(name, path)
         targets = set()
         for node in _top_level_imports(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets.update(alias.name for alias in node.names)
-                continue
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            for alias in node.names:  # `from pkg import mod` imports a module
-                full = f"{base}.{alias.name}"
-                targets.add(full if full in files else base)
+            targets |= _import_targets(node, package, files)
         deps = set()
         for target in targets:
             parts = target.split(".")
@@ -129,3 +147,54 @@ def test_the_check_finds_a_cycle_through_a_package_init(tmp_path):
     graph = load_time_graph(pkg)
     assert graph["pkg.c"] == {"pkg.b"} and "pkg.c" not in graph["pkg.b"]
     assert find_cycles(graph) == [["pkg.b", "pkg.sub", "pkg.sub.a"]]
+
+
+def _inside(name: str, wing: str) -> bool:
+    return name == wing or name.startswith(wing + ".")
+
+
+def reaching_into(root: Path, wing: str) -> dict[str, list[str]]:
+    """Modules outside `wing` that import it anywhere (at load time or inside a function) or
+    name it in a string -> what they import or name."""
+    files = module_files(root)
+    found: dict[str, list[str]] = {}
+    for name, path in files.items():
+        if _inside(name, wing):
+            continue
+        hits = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                targets = _import_targets(node, _package_of(name, path), files)
+                hits |= {t for t in targets if _inside(t, wing)}
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and wing in node.value
+            ):
+                hits.add(repr(node.value)[:80])
+        if hits:
+            found[name] = sorted(hits)
+    return found
+
+
+def test_no_production_module_imports_the_testing_wing():
+    assert (PACKAGE / "testing" / "faultfs.py").exists()
+    assert reaching_into(PACKAGE, TESTING) == {}
+
+
+def test_the_check_finds_an_import_of_the_testing_wing(tmp_path):
+    """Late imports, relative ones and an importlib target by name count; the wing's own
+    imports of itself do not."""
+    pkg = tmp_path / "pkg"
+    (pkg / "testing").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "testing" / "__init__.py").write_text("from pkg.testing import fake\n")
+    (pkg / "testing" / "fake.py").write_text("from pkg import prod\n")
+    (pkg / "prod.py").write_text(
+        "import importlib\n"
+        "def late():\n    from .testing.fake import X\n"
+        "def by_name():\n    return importlib.import_module('pkg.testing.fake')\n"
+    )
+    (pkg / "clean.py").write_text("from pkg import prod\n")
+    found = reaching_into(pkg, "pkg.testing")
+    assert found == {"pkg.prod": ["'pkg.testing.fake'", "pkg.testing.fake"]}

@@ -9,15 +9,16 @@ import errno
 import pyarrow.fs as pafs
 import pytest
 
-from rollout_recovery import faults, storage
-from rollout_recovery.faultfs import fault_filesystem
+from rollout_recovery import storage
 from rollout_recovery.storage import RunStorage, StorageError
+from rollout_recovery.testing.faultfs import armed_env, fault_filesystem
 
 
 @pytest.fixture
 def faulty(tmp_path, monkeypatch):
     """A run directory behind the fault filesystem (as ROLLOUT_RECOVERY_FAULTFS arms it)."""
-    monkeypatch.setenv(faults.FAULTFS_ENV, str(tmp_path / "state"))
+    for name, value in armed_env(tmp_path / "state").items():
+        monkeypatch.setenv(name, value)
     run = RunStorage(str(tmp_path / "run"))
     handler = fault_filesystem(pafs.LocalFileSystem(), tmp_path / "state").handler
     assert run.fs.handler.get_type_name() == "faultfs" and run.local and not run.object_store

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rollout_recovery.controller.selection import LEDGER, SnapshotChoice, select_snapshot
-from rollout_recovery.data_plane import StagingStore, ownership, snapshot_io
+from rollout_recovery.data_plane import StagingStore, filesystem, ownership, snapshot_io
 from rollout_recovery.data_plane.digest import token_digest
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.data_plane.schemas import (
@@ -203,7 +203,7 @@ def build_history(store: StagingStore, root: str, rows_per_partition: int = 4) -
     store.delete("rollout_staging", [f"s{i}/c0" for i in range(n // 2)])
     store.put("rollout_staging", chunk_rows([f"t{i}/c0" for i in range(n // 2)]))
     b = _take(store, root, 2, owner)
-    fs, path = snapshot_io.resolve(root)
+    fs, path = filesystem.resolve(root)
     slot, _ = ownership.read_log(fs, path).publications()[Path(b.uri).name]
     return History(root, a, b, f"{ownership.OWNERSHIP_DIR}/{ownership.entry_name(slot)}")
 
@@ -224,7 +224,7 @@ def file_restorer(uri: str) -> Rows:
     """Read a snapshot's rows in-process with the reader the shard actors use
     (`snapshot_io.read_partitions`, which verifies each file with `read_verified`); fast, and
     patchable by tests."""
-    fs, path = snapshot_io.resolve(uri)
+    fs, path = filesystem.resolve(uri)
     body = snapshot_io.read_manifest(fs, path).body
     parts = snapshot_io.read_partitions(fs, path, body.files)
     return {name: _sorted(table, body.partitions[name]) for name, table in parts.items()}

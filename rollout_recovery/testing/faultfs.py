@@ -19,8 +19,14 @@ paths alone; what existed before the handler first touched it counts as durable.
 store a completed PUT or move is durable, so there `power_loss` drops only the writes whose
 stream was still open (objects are uploaded whole when their stream closes).
 
-Fsyncs reach the handler through `FaultFs.fsync`, which the snapshot layer's one fsync seam
-(`snapshot_io.sync_file` / `sync_dir`) calls for a `PyFileSystem` whose handler has it.
+Fsyncs reach the handler through `FaultFs.fsync`, which the data plane's one fsync seam
+(`data_plane.filesystem.sync_file` / `sync_dir`) calls for a `PyFileSystem` whose handler has
+it; create-only writes through `FaultFs.create_only` likewise (`filesystem.create_only`).
+
+A whole run (every process of it, Ray actors included) is put behind it through the
+environment: `armed_env(state_dir)` names the state directory and this module's
+`local_fault_filesystem` as the hook that production's seam (`faults.local_filesystem`) calls
+for every local path it resolves. Production code never imports this module.
 
 Ray actors write snapshot files in other processes, so the model, the armed faults and the
 journal live in `state_dir` (a local directory) under a file lock: every copy of the handler,
@@ -44,6 +50,9 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+
+from rollout_recovery import faults
+from rollout_recovery.data_plane.filesystem import create_only
 
 # The kinds `fail` accepts -> the journal operations each one matches.
 FAULT_KINDS: dict[str, tuple[str, ...]] = {
@@ -103,6 +112,20 @@ def fault_filesystem(
     """`inner` behind a FaultFs (reach it as `.handler`); `object_store` defaults to whether
     `inner` is anything but the local filesystem."""
     return pafs.PyFileSystem(FaultFs(inner, state_dir, object_store))
+
+
+def local_fault_filesystem(fs: pafs.FileSystem, state_dir: str) -> pafs.PyFileSystem:
+    """The hook `armed_env` names: a local filesystem behind a FaultFs sharing `state_dir`."""
+    return fault_filesystem(fs, state_dir, object_store=False)
+
+
+HOOK = f"{__name__}:{local_fault_filesystem.__name__}"
+
+
+def armed_env(state_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """The environment that puts every local path a run resolves, in all its processes,
+    behind a FaultFs sharing `state_dir` (faults.local_filesystem, the production seam)."""
+    return {faults.FAULTFS_ENV: os.fspath(state_dir), faults.FAULTFS_HOOK_ENV: HOOK}
 
 
 def _parent(path: str) -> str:
@@ -398,13 +421,11 @@ class FaultFs(pafs.FileSystemHandler):
             self.inner.move(src, dest)
 
     def create_only(self, path: str, data: bytes) -> bool:
-        """The create-only write of the ownership log (data_plane.ownership.create_only), on
+        """The create-only write of the ownership log (data_plane.filesystem.create_only), on
         the inner filesystem: True if created, False if the name existed. Locally it is a
         write, an fsync and a link whose name the seam makes durable by fsyncing the
         directory, so a created entry is durable at once; on an object store a completed
         conditional PUT is."""
-        from rollout_recovery.data_plane.ownership import create_only
-
         with self._state() as st:
             self._record(st, "create", path)
             if self.object_store:

@@ -10,7 +10,7 @@ to fall back on and a step left to redo. A case is a list of crashes: the first 
 dies at the first one, each restore at the next, and a last restore finishes the job. Every
 run is a real `rollout-recovery train` in its own session; a crash SIGKILLs the whole session
 at the point and leaves a fsynced mark naming it. Under power loss every local path the run
-writes goes through the fault-injecting filesystem (faultfs.py) and, after the kill,
+writes goes through the fault-injecting filesystem (testing/faultfs.py) and, after the kill,
 everything not yet durable is forgotten.
 
 After the last restore the case checks, each violation tagged with its property:
@@ -43,10 +43,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rollout_recovery import crashpoints, faults
-from rollout_recovery.campaign import engine_evidence
+from rollout_recovery import crashpoints
+from rollout_recovery.testing.campaign import engine_evidence
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "prefix_recovery.yaml"
 # Small and quick, yet every point is reached in every step: generation outlasts several
 # cadence intervals, and keep_latest_k=2 makes retention delete. The first crash of a case
@@ -182,7 +182,8 @@ def records_by_run(run_dir: str, starts_ns: list[int]) -> list[list[dict]]:
 def snapshot_keys(snapshot_uri: str, partition: str) -> set[str]:
     """The keys of one partition in a published snapshot (verified on read)."""
     from rollout_recovery.data_plane import StagingStore
-    from rollout_recovery.data_plane.snapshot_io import read_partitions, resolve
+    from rollout_recovery.data_plane.filesystem import resolve
+    from rollout_recovery.data_plane.snapshot_io import read_partitions
 
     fs, path = resolve(snapshot_uri)
     files = [f for f in StagingStore.manifest(snapshot_uri).body.files if f.partition == partition]
@@ -324,7 +325,9 @@ def run_case(case: Case, reference: str | Future, workdir: Path) -> CaseResult:
         mark = where / f"mark-{i}.jsonl"
         env = crash.env(mark)
         if case.power_loss:
-            env[faults.FAULTFS_ENV] = str(where / f"faultfs-{i}")
+            from rollout_recovery.testing.faultfs import armed_env
+
+            env |= armed_env(where / f"faultfs-{i}")
         starts.append(time.time_ns())
         code, hung = run_job(run_dir, i > 0, env, where / f"run-{i}.log")
         marks = [json.loads(x) for x in mark.read_text().splitlines()] if mark.exists() else []
@@ -346,7 +349,7 @@ def run_case(case: Case, reference: str | Future, workdir: Path) -> CaseResult:
         if case.power_loss:
             from pyarrow.fs import LocalFileSystem
 
-            from rollout_recovery.faultfs import fault_filesystem
+            from rollout_recovery.testing.faultfs import fault_filesystem
 
             fault_filesystem(LocalFileSystem(), where / f"faultfs-{i}").handler.power_loss()
         states.append(published_states(run_dir))

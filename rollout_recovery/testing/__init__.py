@@ -1,0 +1,1 @@
+"""Test machinery (a fault-injecting filesystem, crash campaigns); production never imports it."""
