@@ -471,25 +471,25 @@ def check_restored_once(
     return out
 
 
-def journal_restores(rec_dir: str) -> list[dict]:
-    """Per restore, in order: what each restored call took from the journal
-    (`restores.jsonl`, written by the run; empty without the journal)."""
+def token_log_restores(rec_dir: str) -> list[dict]:
+    """Per restore, in order: what each restored call took from the token log
+    (`restores.jsonl`, written by the run; empty without the token log)."""
     from rollout_recovery.storage import RunStorage
 
     return [json.loads(line) for line in RunStorage(rec_dir).read_lines("restores.jsonl")]
 
 
-def with_journal(ledger: dict, restore: dict) -> dict:
-    """The kill's ledger as the restore used it: continuations the journal extended replace
+def with_token_log(ledger: dict, restore: dict) -> dict:
+    """The kill's ledger as the restore used it: continuations the token log extended replace
     the snapshot's, so the engine evidence is checked against what the workers were given.
-    Returns what was taken (rollout -> snapshot and journal prefix lengths)."""
+    Returns what was taken (rollout -> snapshot and token log prefix lengths)."""
     taken = {}
     for ep in ledger.get("episodes", []):
-        cont = restore["journal"].get(ep["rollout_id"])
+        cont = restore["token_log"].get(ep["rollout_id"])
         if cont is None:
             continue
         taken[ep["rollout_id"]] = {"snapshot_tokens": cont["snapshot_tokens"],
-                                   "journal_tokens": cont["tokens"]}  # fmt: skip
+                                   "token_log_tokens": cont["tokens"]}  # fmt: skip
         cont = {k: v for k, v in cont.items() if k != "snapshot_tokens"}
         ep["continuation"] = cont
         ledger.setdefault("continuations", {})[ep["rollout_id"]] = cont
@@ -783,10 +783,10 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         details, args.min_identical_logprobs, args.max_logprob_diff
     )
     total = {c: sum(rec[s].get(c, 0) for s in rec) for c in RESTORE_COUNTERS}
-    journal = journal_restores(rec_dir)
+    token_log = token_log_restores(rec_dir)
     for k, killed in enumerate(kills):
-        if k < len(journal):
-            killed["journal"] = with_journal(killed["ledger"], journal[k])
+        if k < len(token_log):
+            killed["token_log"] = with_token_log(killed["ledger"], token_log[k])
     sessions = session_records(rec_dir)
     [reference_records] = session_records(ref_dir)[-1:] or [[]]
     lost = []

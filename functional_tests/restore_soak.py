@@ -4,7 +4,7 @@
         [--load turn,gateway] [--restore-timeout 600] [--kept DIR] [--pythonpath DIR] [--json F]
 
 1. the kept run: the functional suite's prefix check (tests/functional's PREFIX and SMALL
-   arguments: the notes agent, two SIGKILLs, the journal on), once, unless --kept names one
+   arguments: the notes agent, two SIGKILLs, the token log on), once, unless --kept names one
    already made (a check's --out with its saved/ state);
 2. the load: the suite's checks that run beside the prefix check (--load; default the turn
    check on S3 and the gateway check), each started again whenever it ends, until the restores

@@ -333,9 +333,9 @@ def check_restore(args, restored: dict, rec_dir: str, restore_job: str | None) -
     if [snapshot_name(u) for u in selected] != [snapshot_name(restored["snapshot"])]:
         out.append(f"[selected] the restore selected {selected}, the newest published snapshot "
                    f"after the kill was {restored['snapshot']}")  # fmt: skip
-    journal = rc.journal_restores(rec_dir)
-    if journal:
-        restored["journal"] = rc.with_journal(restored["ledger"], journal[0])
+    token_log = rc.token_log_restores(rec_dir)
+    if token_log:
+        restored["token_log"] = rc.with_token_log(restored["ledger"], token_log[0])
     after = session_records(rec_dir)[-1]
     redone = rc.steps(rec_dir).get(restored["ledger"]["step"] + 1, {})
     counts = {c: redone.get(c, 0) for c in rc.RESTORE_COUNTERS}

@@ -4,7 +4,7 @@ Runs, on one Ray instance this process starts (the runs join it with --ray-addre
 
 1. reference: a GRPO run with two workers, uninterrupted;
 2. one run per `--kill`: the same job; once the target worker holds at least --min-calls calls
-   in flight, each with more than twice the journal interval decoded, its engine is frozen
+   in flight, each with more than twice the token log interval decoded, its engine is frozen
    (SIGSTOP: no token is decoded from here on), its engine records are read once they stop
    changing (what each call attempt decoded: the engine core runs ahead of the worker's
    output processing, whose backlog drains first; when that finished the calls, the engine is
@@ -20,8 +20,8 @@ Each killed run must finish by itself (exit 0, no restore, one process), and:
 - [parity] every step's training batch equals the reference's (token ids, masks, rewards,
   lengths; generation logprobs bit-identical for at least --min-identical-logprobs);
 - [migrated] every call the dead worker held was answered by a next attempt on another
-  worker, resumed (verdict `resumed`) from its journal, with at most K tokens decoded again
-  (K = --journal-tokens: the dead attempt's prefix + decoded tokens minus the prefix the next
+  worker, resumed (verdict `resumed`) from its token log, with at most K tokens decoded again
+  (K = --token-log-tokens: the dead attempt's prefix + decoded tokens minus the prefix the next
   attempt resumed from);
 - [replaced] the run counted the worker failure by cause; in the one-worker run a
   replacement joined (the run could not have finished otherwise).
@@ -61,7 +61,7 @@ def overrides(args, run_dir: Path, workers: int = 2) -> list[str]:
         f"grpo.prompts_per_step={args.prompts}",
         "grpo.generations_per_prompt=4",
         f"policy.generation.max_new_tokens={args.max_tokens}",
-        f"token_capture.journal_interval_tokens={args.journal_tokens}",
+        f"token_capture.log_interval_tokens={args.token_log_tokens}",
         f"token_capture.control_auth_token={args.token}",
         "failover.health_interval_s=0.5",
         *args.extra,
@@ -90,7 +90,7 @@ def workers_file(run_dir: Path, started_after: float) -> list[dict] | None:
 def drained(target: dict, args) -> list[dict]:
     """The frozen engine's worker records once they stop changing: outputs the engine core
     had already sent are processed (it runs ahead of the worker's output processing), and
-    journal passes they started are done."""
+    token log passes they started are done."""
     last, stable_since = None, time.monotonic()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -122,7 +122,7 @@ def kill_run(args, kind: str) -> dict:
     while before is None:
         if proc.poll() is not None:
             sys.exit(f"FAIL: the {kind} run finished before worker {index} held "
-                     f"{args.min_calls} calls with > {2 * args.journal_tokens} tokens in step "
+                     f"{args.min_calls} calls with > {2 * args.token_log_tokens} tokens in step "
                      f">= {min_step}")  # fmt: skip
         if time.monotonic() > deadline:
             rc.stop_run(proc)
@@ -136,7 +136,7 @@ def kill_run(args, kind: str) -> dict:
                 records = rc.read_engine_records([target], args.token)
             except Exception:
                 records = []
-            floor = 2 * args.journal_tokens
+            floor = 2 * args.token_log_tokens
             busy = [r for r in in_flight(records)
                     if r["prefix_tokens"] + r["decoded_tokens"] > floor]  # fmt: skip
             if len(busy) >= args.min_calls:
@@ -208,15 +208,15 @@ def verify(args, ref_dir: Path, killed: dict) -> tuple[dict, list[str]]:
         if nxt["resume"] != "resumed":
             why = nxt.get("refused_reason")
             problems.append(f"[migrated] {name}: next attempt {nxt['resume']} ({why}), not "
-                            "resumed from its journal")  # fmt: skip
+                            "resumed from its token log")  # fmt: skip
             continue
         resumed += 1
         lost = dead["prefix_tokens"] + dead["decoded_tokens"] - nxt["prefix_tokens"]
         redecoded.append(lost)
         worst = max(worst, lost)
-        if lost < 0 or lost > args.journal_tokens:
+        if lost < 0 or lost > args.token_log_tokens:
             problems.append(f"[migrated] {name}: {lost} tokens decoded again (K = "
-                            f"{args.journal_tokens})")  # fmt: skip
+                            f"{args.token_log_tokens})")  # fmt: skip
     cause = "engine_dead" if killed["kind"] == "engine" else "actor_dead"
     migrations = sum(v for k, v in counts.items() if k.startswith("migrations."))
     if migrations < len(killed["in_flight"]):
@@ -231,10 +231,10 @@ def verify(args, ref_dir: Path, killed: dict) -> tuple[dict, list[str]]:
         "same_batches": same,
         "logprobs_bit_identical_min": min(identical) if identical else 0.0,
         "calls_on_dead_worker": len(killed["in_flight"]),
-        "resumed_from_journal": resumed,
+        "resumed_from_token_log": resumed,
         "redecoded_tokens_total": sum(redecoded),
         "redecoded_tokens_max": worst,
-        "journal_tokens_k": args.journal_tokens,
+        "token_log_tokens_k": args.token_log_tokens,
         "migrations": {k: v for k, v in counts.items() if k.startswith("migrations.")},
         "expected_cause": cause,
         "workers_replaced": counts.get("workers_replaced", 0),
@@ -253,7 +253,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=320,
                     help="per call: long enough to outlast the engine core running ahead of "
                     "the worker's output processing")  # fmt: skip
-    ap.add_argument("--journal-tokens", type=int, default=16, help="K")
+    ap.add_argument("--token-log-tokens", type=int, default=16, help="K")
     ap.add_argument("--min-calls", type=int, default=4)
     ap.add_argument("--settle", type=float, default=0.5)
     ap.add_argument("--timeout", type=float, default=900, help="per-run bound (s)")
@@ -284,9 +284,9 @@ def main() -> int:
     (args.out / "failover.json").write_text(json.dumps({"runs": rows, "problems": problems},
                                                        indent=1))  # fmt: skip
     cols = ("kind", "same_batches", "logprobs_bit_identical_min", "calls_on_dead_worker",
-            "resumed_from_journal", "redecoded_tokens_max", "redecoded_tokens_total",
+            "resumed_from_token_log", "redecoded_tokens_max", "redecoded_tokens_total",
             "workers_replaced")  # fmt: skip
-    print(f"worker failover parity ({args.out}/failover.json; K = {args.journal_tokens})")
+    print(f"worker failover parity ({args.out}/failover.json; K = {args.token_log_tokens})")
     print("  ".join(cols))
     for row in rows:
         print("  ".join(str(row.get(c)) for c in cols))

@@ -14,12 +14,12 @@ Data flow of a step (each arrow a call across processes):
         commit     EnvironmentClient.commit       (-> CheckpointRecords: episode records)
         snapshot   StagingStore.asnapshot         (data files, sidecars, the Ledger)
         publish    the manifest, written last     (PublishGate: an aborted attempt never)
-        release    WorkerPool.end_fences + EnvironmentClient.resume (also on failure)
+        release    WorkerPool.end_fences + EnvironmentClient.reopen (also on failure)
     take_batch / ack -> StagingStore lease (`replay`) ; push_weights -> WorkerPool
     notify_trainer_checkpoint -> CheckpointCoordinator.counted("trainer_checkpoint")
     restore -> controller/restore.py: EnvironmentClient.begin_restore
         -> controller/selection.py (choose, verify, check the model) -> StagingStore.restore
-        -> controller/journal_restore.py (calls in flight extended; restores.jsonl)
+        -> controller/token_log_restore.py (calls in flight extended; restores.jsonl)
         -> EnvironmentClient.end_restore(ledger.episodes)
 
 `start` and `close` are controller/lifecycle.py. Where the store shards, the environment actors
@@ -47,7 +47,7 @@ from rollout_recovery.controller.gateway_serving import serve_gateway
 from rollout_recovery.controller.lifecycle import claim_snapshot_root, close_job, start_job
 from rollout_recovery.controller.liveness import watch_step
 from rollout_recovery.controller.metrics import RunMetrics
-from rollout_recovery.controller.restore import restore_run, with_journal_uri
+from rollout_recovery.controller.restore import restore_run, with_token_log_uri
 from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
 from rollout_recovery.data_plane.ownership import Owner
@@ -72,7 +72,7 @@ class RolloutRecovery:
     def __init__(
         self, cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
     ) -> None:
-        self.cfg, self.ray_address = with_journal_uri(cfg), ray_address
+        self.cfg, self.ray_address = with_token_log_uri(cfg), ray_address
         self.owner = owner  # the claim on the snapshot root; claimed in `start` when None
         self.model_dir = model_identity.resolve_model_path(cfg.policy.model_path)
         self.state = RunState(model_identity.base_model_identity(cfg.policy.model_path,

@@ -260,29 +260,29 @@ class TokenCaptureConfig(_Block):
     """Call attempts each worker keeps a record of. A record says what the engine did for the
     attempt (resume verdict, prefix, decoded tokens); older ones are dropped and counted."""
 
-    journal_interval_tokens: Int | None = Field(None, ge=1)
-    """Journal every in-flight call continuously: each K new tokens become the next chained
-    chunk row in the staging store, without a fence (docs/failover.md). A worker that dies then
+    log_interval_tokens: Int | None = Field(None, ge=1)
+    """Keep the token log: every in-flight call's K new tokens become the next chained chunk
+    row in the staging store, without a fence (docs/failover.md). A worker that dies then
     loses at most about K tokens per call, and its calls continue on a live worker from the
-    journal. None: no token-count trigger."""
+    token log. None: no token-count trigger."""
 
-    journal_interval_s: Float | None = Field(None, gt=0.0)
-    """Also journal a call whose newest durable row is older than this many seconds (a slow call
-    with fewer than `journal_interval_tokens` new tokens). None: no time trigger."""
+    log_interval_s: Float | None = Field(None, gt=0.0)
+    """Also log a call whose newest durable row is older than this many seconds (a slow call
+    with fewer than `log_interval_tokens` new tokens). None: no time trigger."""
 
-    journal_storage: bool = True
-    """With the journal on, also append every staged chunk row to `<checkpointing.checkpoint_dir>/
-    journal/`. The rows then outlive a whole-job crash, and a restore resumes each call from the
-    newer of its snapshot cut and its verified journal. Off, the journal only serves failover
-    (the staging store dies with the job)."""
+    log_storage: bool = True
+    """With the token log on, also append every staged chunk row to
+    `<checkpointing.checkpoint_dir>/token_log/`. The rows then outlive a whole-job crash, and a
+    restore resumes each call from the newer of its snapshot cut and its verified token log. Off,
+    the token log only serves failover (the staging store dies with the job)."""
 
-    journal_retention_s: Float = Field(900.0, gt=0.0)
-    """Journal segments older than this many seconds are deleted after each published snapshot.
+    log_retention_s: Float = Field(900.0, gt=0.0)
+    """Token log segments older than this many seconds are deleted after each published snapshot.
     A restore extends a call only with rows written within this window."""
 
-    journal_uri: str | None = None
-    """Where the workers append journal segments. Leave it unset: the controller sets it to
-    `<checkpointing.checkpoint_dir>/journal` when `journal_storage` is on."""
+    log_uri: str | None = None
+    """Where the workers append token log segments. Leave it unset: the controller sets it to
+    `<checkpointing.checkpoint_dir>/token_log` when `log_storage` is on."""
 
     request_token_ids: bool = True
     """Ask the workers for prompt and generated token ids (`return_token_ids`). The environment
@@ -305,12 +305,12 @@ class TokenCaptureConfig(_Block):
 
     @model_validator(mode="after")
     def _supply_needs_proof(self) -> TokenCaptureConfig:
-        journal = self.journal_interval_tokens is not None or self.journal_interval_s is not None
-        if journal and not self.enabled:
+        token_log = self.log_interval_tokens is not None or self.log_interval_s is not None
+        if token_log and not self.enabled:
             raise ConfigError(
-                "token_capture.journal_interval_tokens/journal_interval_s need "
-                "token_capture.enabled=true (the journal stages captured tokens); enable "
-                "capture or unset the journal intervals"
+                "token_capture.log_interval_tokens/log_interval_s need "
+                "token_capture.enabled=true (the token log stages captured tokens); enable "
+                "capture or unset the token log intervals"
             )
         if self.supply_prefix_token_ids and not self.request_token_ids:
             raise ConfigError(
@@ -490,7 +490,7 @@ class GatewayConfig(_Block):
 class FailoverConfig(_Block):
     """What happens when one worker dies while the run goes on (docs/failover.md): the
     controller notices, starts a replacement, and every call the dead worker held continues on
-    a live worker from its journal (`token_capture.journal_interval_tokens`)."""
+    a live worker from its token log (`token_capture.log_interval_tokens`)."""
 
     enabled: bool = True
     """Watch the workers' health, replace a dead worker, and migrate its calls. Off, a dead
@@ -868,9 +868,19 @@ def _block_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+# Keys renamed since a config could have been written with them: the error names the new one.
+RENAMED_KEYS = {
+    f"token_capture.journal_{name}": f"token_capture.log_{name}"
+    for name in ("interval_tokens", "interval_s", "storage", "retention_s", "uri")
+}
+
+
 def _unknown_key_message(path: Sequence[str]) -> str:
     """The same words for a typo in YAML or in an override, with the closest key of its block."""
-    message = f"unknown key `{'.'.join(path)}`; remove it or check its spelling"
+    dotted = ".".join(path)
+    if dotted in RENAMED_KEYS:
+        return f"`{dotted}` was renamed `{RENAMED_KEYS[dotted]}`; use the new name"
+    message = f"unknown key `{dotted}`; remove it or check its spelling"
     model: type[BaseModel] | None = RolloutRecoveryConfig
     for i, part in enumerate(path):
         if model is None:

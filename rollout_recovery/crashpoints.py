@@ -49,7 +49,7 @@ POINTS: dict[str, str] = {
     "cut_rows_staged": "worker: one cut's chunk rows are in the store, the cut not yet answered",
     "env_prepared": "controller: admission closed and every in-flight call cut",
     "episodes_committed": "controller: the environment committed its episode records",
-    "fences_released": "controller: the store captured, fences released, admission reopened",
+    "fences_released": "controller: the store frozen, fences released, admission reopened",
     "snapshot_file_written": "store shard: one snapshot data file written and synced",
     "sidecar_written": "controller: one snapshot sidecar (the ledger) written and synced",
     "manifest_written": "controller: the manifest written under its temporary name, synced",

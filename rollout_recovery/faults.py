@@ -11,7 +11,7 @@ through their Ray runtime environment. Nothing sets it outside tests.
   its committed turns are decoded again (no refusal counted either);
 - `effect_dedupe_disabled`: the notes episode's store applies an operation again even when its
   effect id is already logged, so a re-executed effect is applied twice;
-- `journal_rows_corrupted`: each journal row is staged with its first token changed after its
+- `token_log_rows_corrupted`: each token log row is staged with its first token changed after its
   digest was sealed (a store that flipped a value): a call moved off a dead worker must refuse
   the chain and be decoded from scratch.
 
@@ -40,7 +40,7 @@ FAULTS = (
     "resume_disabled",
     "redecode_committed_turns",
     "effect_dedupe_disabled",
-    "journal_rows_corrupted",
+    "token_log_rows_corrupted",
 )
 
 

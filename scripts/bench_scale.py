@@ -12,8 +12,8 @@ their units.
    `--call-tokens` tokens, so it stays in flight) and, once the engines hold their share,
    `coordinator.attempt` runs `--attempts` times (after one uncounted warm-up attempt),
    `--gap` s apart. Per attempt the coordinator's own metrics: fence hold (fences taken to
-   released), cut (the environment's prepare: every in-flight call cut), commit, capture
-   (the shards' atomic capture), snapshot (capture + files + publish) and the whole attempt,
+   released), cut (the environment's prepare: every in-flight call cut), commit, freeze
+   (the shards' atomic freeze), snapshot (freeze + files + publish) and the whole attempt,
    in ms, medians over the attempts that saw at least 90% of the calls in flight (fence also
    p99 and max; with a handful of attempts p99 is close to the max). A key the coordinator
    does not report yet is shown as `-`. "in flight" is what the checkpoint found (calls cut
@@ -120,7 +120,7 @@ import numpy as np  # noqa: E402
 PARTITION = "rollout_staging"
 GB = 1 << 30
 MB = 1e6
-ATTEMPT_KEYS = ("fence_hold_s", "cut_s", "commit_s", "capture_s", "snapshot_s", "save_s")
+ATTEMPT_KEYS = ("fence_hold_s", "cut_s", "commit_s", "freeze_s", "snapshot_s", "save_s")
 IN_FLIGHT_SHARE = 0.9  # an attempt counts when it found at least this share of the calls
 ENGINE_MAX_SEQS = 128  # vLLM's CPU default max_num_seqs for the OpenAI server
 
@@ -977,7 +977,7 @@ def print_live(rows: list[dict], args) -> None:
         "max",
         "cut",
         "commit",
-        "capture",
+        "freeze",
         "snapshot",
         "total",
     ]
@@ -995,7 +995,7 @@ def print_live(rows: list[dict], args) -> None:
             str(r["attempts_counted"]),
             *(cell(ms(r.get(k)), ".1f") for k in ("fence_hold_s_median", "fence_hold_s_p99",
                                                   "fence_hold_s_max", "cut_s_median",
-                                                  "commit_s_median", "capture_s_median",
+                                                  "commit_s_median", "freeze_s_median",
                                                   "snapshot_s_median", "save_s_median")),
         ])  # fmt: skip
     print_rows(headers, table)

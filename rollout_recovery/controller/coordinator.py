@@ -2,11 +2,11 @@
 the checkpoint log (docs/design.md §4).
 
 One attempt: fence every worker (terminal rows and chunk deletes wait), prepare the
-environment (admission closed, in-flight calls cut), commit its episode records, capture every
-store shard (the snapshot's consistent cut), then release the fences and reopen admission
-(also when the attempt fails); only then are the captured rows written with the ledger and
+environment (admission closed, in-flight calls cut), commit its episode records, freeze every
+store shard (the snapshot's one consistent moment), then release the fences and reopen admission
+(also when the attempt fails); only then are the frozen rows written with the ledger and
 the manifest published (written last: that publishes it), while generation goes on. The
-fences are held for the cut, the commit and the capture alone. With
+fences are held for the cut, the commit and the freeze alone. With
 `rollout_checkpointing.full_snapshot_every` > 1 a snapshot is incremental: it writes only what
 changed since the previous one and lists that one's files (data_plane/snapshot_io.py).
 
@@ -39,8 +39,8 @@ from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import PublishGate, StagingStore
-from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.ownership import Owner, OwnerFenced
+from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
 from rollout_recovery.errors import CheckpointWriteError, RunStalled, one_line
@@ -69,7 +69,7 @@ class RunState:
 
 async def _to_the_end(work: Awaitable[None]) -> None:
     """Await `work` to its end even if the caller is cancelled meanwhile (the cancellation
-    is raised after it). A release cut short by the cadence's cancellation would leave the
+    is raised after it). A release stopped early by the cadence's cancellation would leave the
     environment's admission closed and the workers' fences held until their leases ran
     out: every following attempt fails with "prepare ... while committed" (found by the
     crash campaign)."""
@@ -227,15 +227,15 @@ class CheckpointCoordinator:
             records = await self.env.commit(ckpt_id)
             crash_point("episodes_committed")
             t = timed("commit_s", t)
-            captured = await self.store.acapture(
+            frozen = await self.store.afreeze(
                 self.snapshot_root, full_every, deadline=t0 + timeout, gate=gate
             )
-            timed("capture_s", t)
-            return cuts, records, captured
+            timed("freeze_s", t)
+            return cuts, records, frozen
 
-        async def publish(records, captured):
+        async def publish(records, frozen):
             return await self.store.awrite(
-                captured,
+                frozen,
                 meta={"trainer_step": str(self.state.step), "reason": reason},
                 sidecars={LEDGER: self.ledger(reason, records).to_json()},
                 deadline=t0 + timeout,
@@ -246,17 +246,17 @@ class CheckpointCoordinator:
         try:
             try:
                 async with asyncio.timeout(timeout):
-                    cuts, records, captured = await fenced_steps()
+                    cuts, records, frozen = await fenced_steps()
             finally:
                 fence_s = time.monotonic() - t0
                 await _to_the_end(self._release(ckpt_id, epoch, fenced))
             crash_point("fences_released")
-            # The capture is the snapshot's consistent cut: its files are written and it is
+            # The freeze is the snapshot's consistent moment: its files are written and it is
             # published while the workers and the environment go on.
             w0 = time.monotonic()
             left = max(0.0, t0 + timeout - w0)
             async with asyncio.timeout(left):
-                snap = await publish(records, captured)
+                snap = await publish(records, frozen)
             crash_point("snapshot_taken")
             timed("write_s", w0)
         except asyncio.CancelledError:  # the cadence stopped (its work ended) mid-attempt
@@ -275,14 +275,14 @@ class CheckpointCoordinator:
             raise
         keep = self.cfg.rollout_checkpointing.keep_latest_k
         StagingStore.gc(self.snapshot_root, keep, owner=self.owner)
-        self._gc_journal()
+        self._gc_token_log()
         self.metrics.add("checkpoints")
         self.metrics.add("fence_hold_s", fence_s)
         body = snap.manifest.body
         metrics = {
             "checkpoint": snap.uri, "reason": reason, "step": self.state.step,
             "fence_hold_s": fence_s, "save_s": time.monotonic() - t0,
-            "snapshot_s": phases["capture_s"] + phases["write_s"], **phases,
+            "snapshot_s": phases["freeze_s"] + phases["write_s"], **phases,
             "incremental": body.base is not None, "snapshot_bytes": body.written_bytes,
             "episodes_recorded": len(records.episodes), **cuts,
             "chunk_rows_swept": records.chunk_rows_swept,
@@ -290,23 +290,23 @@ class CheckpointCoordinator:
         self._log(metrics)
         return metrics
 
-    def _gc_journal(self) -> None:
-        """Journal segments older than `token_capture.journal_retention_s` go (a report: a
+    def _gc_token_log(self) -> None:
+        """Token log segments older than `token_capture.log_retention_s` go (a report: a
         failed delete is retried after the next snapshot)."""
         tc = self.cfg.token_capture
-        if not tc.journal_uri:
+        if not tc.log_uri:
             return
-        before = time.time_ns() - int(tc.journal_retention_s * 1e9)
+        before = time.time_ns() - int(tc.log_retention_s * 1e9)
         try:
-            self.metrics.add("journal_segments_deleted", JournalLog.gc(tc.journal_uri, before))
+            self.metrics.add("token_log_segments_deleted", TokenLogSegments.gc(tc.log_uri, before))
         except OSError as err:
-            log.warning("cannot delete old journal segments: %s", one_line(err))
+            log.warning("cannot delete old token log segments: %s", one_line(err))
 
     async def _release(self, ckpt_id: str, epoch: int, fenced: WorkerPool) -> None:
         """Reopen admission and release every fence, whatever any one of them raises (a fence
         left held would stop terminal rows and chunk deletes until its lease ran out)."""
         reopened, released = await asyncio.gather(
-            self.env.resume(ckpt_id), fenced.end_fences(epoch), return_exceptions=True
+            self.env.reopen(ckpt_id), fenced.end_fences(epoch), return_exceptions=True
         )
         failures = [("reopening admission", reopened)]
         if isinstance(released, BaseException):

@@ -330,7 +330,7 @@ def _read(
     body = manifest.body
     summary.status, summary.created_at = "published", body.created_at
     summary.rows = dict.fromkeys(body.partitions, 0)
-    if body.rows:  # format v2: counted at capture (an incremental's files overlap)
+    if body.rows:  # format v2: counted at the freeze (an incremental's files overlap)
         summary.rows |= body.rows
     else:
         for f in body.files:

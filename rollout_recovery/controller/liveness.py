@@ -32,7 +32,7 @@ from rollout_recovery.protocol import EnvironmentProgress
 
 T = TypeVar("T")
 NEXT = (
-    "The run stopped; the last snapshot and the journal hold its work: continue it with "
+    "The run stopped; the last snapshot and the token log hold its work: continue it with "
     "`train --restore` (in your own loop: `RolloutRecovery.restore()` in a new controller)"
 )
 

@@ -17,12 +17,12 @@
   started over), `capture.<event>` (model-call capture: resolutions, prefix supply, capture
   failures), `lineage.resolve.<outcome>`, and for calls moved off a dead worker
   `migrations.<cause>`, `migration.resumed`, `migration.from_scratch`,
-  `migration.journal_tokens`, `migration.tail_tokens`, `migration.journal_refused.<reason>`,
+  `migration.token_log_tokens`, `migration.tail_tokens`, `migration.token_log_refused.<reason>`,
   `migration_failed.<reason>`;
 - workers (summed; `*_max` as the maximum): `worker_resumes_accepted`,
   `worker_resumes_refused`, and `worker.<name>` for every worker tally (`cut.<disposition>`,
-  `cut_failure.<reason>`, `resume.<outcome>`, `terminal_rows`, `journal.rows`,
-  `journal.tokens`, `journal.lag_p50_max`, `journal.lag_p99_max`, ...).
+  `cut_failure.<reason>`, `resume.<outcome>`, `terminal_rows`,
+  `token_log.rows`, `token_log.tokens`, `token_log.lag_p50_max`, `token_log.lag_p99_max`, ...).
 
 In Prometheus a dotted name `family.rest` is the series `rollout_recovery_run_family` with the
 label `name="rest"`; an undotted one is `rollout_recovery_run_<name>`.

@@ -10,7 +10,6 @@ from rollout_recovery.data_plane.errors import (
     SnapshotAborted,
     SnapshotCorruptError,
     SnapshotError,
-    SnapshotNotFoundError,
     StoreError,
     UnknownPartitionError,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "SnapshotAborted",
     "SnapshotCorruptError",
     "SnapshotError",
-    "SnapshotNotFoundError",
     "SnapshotResult",
     "StagingStore",
     "StoreError",

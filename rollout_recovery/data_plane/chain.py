@@ -3,7 +3,7 @@
 The one safety rule every resume rests on, in one place: the worker runs it before the engine
 sees a continuation (generation/resume.py), the environment before moving a dead worker's call
 (environment/migration.py), and the controller before extending a restored call from its
-journal (controller/journal_restore.py). It needs no engine: rows, digests and identities only.
+token log (controller/token_log_restore.py). It needs no engine: rows, digests and identities only.
 A chain is refused, with a named reason, when a chunk is missing, out of order, of another call
 or a later attempt, miscounted, fails its chained digest, decreases in weight version, ends
 early, or was staged for another prompt; a refused call is generated from scratch.

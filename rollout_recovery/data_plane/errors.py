@@ -37,10 +37,6 @@ class SnapshotError(StoreError):
     """A snapshot could not be written, found or read."""
 
 
-class SnapshotNotFoundError(SnapshotError):
-    pass
-
-
 class SnapshotAborted(SnapshotError):
     """The attempt was aborted (or missed its deadline) before publication; nothing was
     published, and its unpublished directory is left for `gc`."""

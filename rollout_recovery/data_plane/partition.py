@@ -2,11 +2,11 @@
 
 Pure logic (no Ray), so it can be tested directly. Every mutation is a plain synchronous call;
 the shard actor runs them on its event loop, which makes each one atomic with respect to the
-others and to a snapshot's capture.
+others and to a snapshot's freeze.
 
 For incremental snapshots a partition also logs what changed: every put as (seq, key) and
-every delete as (op seq, key), both in increasing seq order. A capture `since` a boundary
-(the shard's next seq when the parent snapshot was captured) reads only the rows put since
+every delete as (op seq, key), both in increasing seq order. A freeze `since` a boundary
+(the shard's next seq when the parent snapshot was frozen) reads only the rows put since
 then and the keys deleted since then, without scanning the index; the logs are pruned below
 the boundary of the newest published snapshot (the parent of every later one).
 """
@@ -38,9 +38,9 @@ DELETES_SCHEMA = pa.schema([("key", pa.string()), (SEQ_COLUMN, pa.int64())])
 
 
 @dataclass
-class CapturedPartition:
+class FrozenPartition:
     """A snapshot's view of a partition: references to immutable batches, rows in seq order.
-    An incremental capture holds only the rows put since its boundary, plus `deleted`: the
+    An incremental freeze holds only the rows put since its boundary, plus `deleted`: the
     keys deleted since then with the op seq of their delete (a row of that key with a lower
     seq is gone)."""
 
@@ -50,8 +50,8 @@ class CapturedPartition:
     offsets: list[int]
     positions: np.ndarray  # global row positions, in seq order
     seqs: np.ndarray
-    deleted: list[tuple[int, str]] | None = None  # None: a full capture
-    live_rows: int = 0  # rows in the partition at capture
+    deleted: list[tuple[int, str]] | None = None  # None: a full freeze
+    live_rows: int = 0  # rows in the partition at freeze
 
     def to_table(self) -> pa.Table:
         base = _select(self.batches, self.offsets, self.positions, self.schema)
@@ -93,7 +93,7 @@ class PartitionTable:
     dead_rows: int = 0
     put_log: list[tuple[int, str]] = field(default_factory=list)  # (seq, key), seq order
     delete_log: list[tuple[int, str]] = field(default_factory=list)  # (op seq, key)
-    # Changes are logged from the first capture on: before it no snapshot can be a parent, and
+    # Changes are logged from the first freeze on: before it no snapshot can be a parent, and
     # a store never snapshotted must not keep a log of every put.
     logging: bool = False
 
@@ -184,7 +184,7 @@ class PartitionTable:
         self._maybe_compact()
         return n
 
-    def capture(self, since: int | None = None) -> CapturedPartition:
+    def freeze(self, since: int | None = None) -> FrozenPartition:
         """Every row (`since` None), or only what changed since the boundary `since`: the
         rows put at or after it that are still live, and the keys deleted at or after it."""
         if since is not None and not self.logging:
@@ -203,7 +203,7 @@ class PartitionTable:
             first = bisect.bisect_left(self.delete_log, (since, ""))
             deleted = self.delete_log[first:]
         arr = np.array(items, dtype=np.int64).reshape(-1, 2)
-        return CapturedPartition(self.name, self.schema, list(self.batches), list(self.offsets),
+        return FrozenPartition(self.name, self.schema, list(self.batches), list(self.offsets),
                                  arr[:, 0], arr[:, 1], deleted, len(self.index))  # fmt: skip
 
     def prune_logs(self, below: int) -> None:

@@ -19,7 +19,7 @@ import pyarrow.fs as pafs
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane.errors import SnapshotCorruptError, UnknownPartitionError
 from rollout_recovery.data_plane.filesystem import join, resolve
-from rollout_recovery.data_plane.partition import CapturedPartition, Lease, PartitionTable
+from rollout_recovery.data_plane.partition import FrozenPartition, Lease, PartitionTable
 from rollout_recovery.data_plane.schemas import SCHEMAS, conform, schema_version
 from rollout_recovery.data_plane.snapshot_io import (
     FileEntry,
@@ -30,7 +30,7 @@ from rollout_recovery.data_plane.snapshot_io import (
 
 # Fault injection for tests: seconds to sleep after each snapshot file is written.
 FAULT_SLEEP_ENV = "ROLLOUT_RECOVERY_FAULT_SNAPSHOT_SLEEP_S"
-# Snapshot files are cut into segments of about this size so they are written, hashed and
+# Snapshot files are split into segments of about this size so they are written, hashed and
 # verified in parallel.
 SEGMENT_BYTES = 16 << 20
 _POOL: ThreadPoolExecutor | None = None
@@ -61,7 +61,7 @@ class StoreShard:
         self.leases: dict[str, Lease] = {}
         self.next_seq = 0
         self._pending_restore: tuple[dict[str, pa.Table], int] | None = None
-        self._captured: dict[str, tuple[list[CapturedPartition], list[LeaseEntry]]] = {}
+        self._frozen: dict[str, tuple[list[FrozenPartition], list[LeaseEntry]]] = {}
 
     def _part(self, name: str) -> PartitionTable:
         try:
@@ -135,13 +135,13 @@ class StoreShard:
 
     # ------------------------------------------------------------------ snapshots
 
-    async def capture(self, token: str, since: int | None, keep_changes_from: int | None) -> dict:
-        """Capture this shard atomically for snapshot `token` (every row, or with `since` the
+    async def freeze(self, token: str, since: int | None, keep_changes_from: int | None) -> dict:
+        """Freeze this shard atomically for snapshot `token` (every row, or with `since` the
         changes since that boundary); its files are written by `write`. Changes logged before
-        `keep_changes_from` (the published parent's boundary; None: this capture's own) are
+        `keep_changes_from` (the published parent's boundary; None: this freeze's own) are
         forgotten. Returns the boundary and the row counts."""
         self._expire()
-        captured = [p.capture(since) for p in self.partitions.values()]
+        frozen = [p.freeze(since) for p in self.partitions.values()]
         leases = [
             LeaseEntry(lease_id=le.lease_id, partition=le.partition, consumer=le.consumer,
                        shard=self.shard_index, keys=list(le.keys))
@@ -151,31 +151,31 @@ class StoreShard:
         boundary = self.next_seq
         for part in self.partitions.values():
             part.prune_logs(boundary if keep_changes_from is None else keep_changes_from)
-        while len(self._captured) >= 4:  # captures never written (their attempt failed)
-            self._captured.pop(next(iter(self._captured)))
-        self._captured[token] = (captured, leases)
-        return {"boundary": boundary, "rows": {c.name: c.live_rows for c in captured},
-                "changed_rows": sum(len(c.positions) for c in captured)}  # fmt: skip
+        while len(self._frozen) >= 4:  # freezes never written (their attempt failed)
+            self._frozen.pop(next(iter(self._frozen)))
+        self._frozen[token] = (frozen, leases)
+        return {"boundary": boundary, "rows": {c.name: c.live_rows for c in frozen},
+                "changed_rows": sum(len(c.positions) for c in frozen)}  # fmt: skip
 
     async def write(
         self, token: str, snapshot_dir_uri: str, filesystem: pafs.FileSystem | None = None
     ) -> tuple[list[FileEntry], list[LeaseEntry]]:
-        """Write the files of capture `token` off the event loop (through `filesystem` when
+        """Write the files of freeze `token` off the event loop (through `filesystem` when
         given instead of the URI's own)."""
-        captured, leases = self._captured.pop(token)
+        frozen, leases = self._frozen.pop(token)
         loop = asyncio.get_running_loop()
         files = await loop.run_in_executor(
-            None, self._write_files, snapshot_dir_uri, captured, filesystem
+            None, self._write_files, snapshot_dir_uri, frozen, filesystem
         )
         return files, leases
 
     async def discard(self, token: str) -> None:
-        self._captured.pop(token, None)
+        self._frozen.pop(token, None)
 
     def _write_files(
         self,
         snapshot_dir_uri: str,
-        captured: list[CapturedPartition],
+        frozen: list[FrozenPartition],
         filesystem: pafs.FileSystem | None = None,
     ):
         """Write each partition as segments of <= SEGMENT_BYTES, several at a time, so that
@@ -183,7 +183,7 @@ class StoreShard:
         fs, root = resolve(snapshot_dir_uri, filesystem)
         sleep_s = float(os.environ.get(FAULT_SLEEP_ENV, "0") or 0)
         jobs = []
-        for cap in captured:
+        for cap in frozen:
             if cap.deleted:
                 rel = f"shard-{self.shard_index:03d}/{cap.name}.deletes.arrow"
                 jobs.append((cap.name, rel, cap.deletes_table(), "deletes"))
@@ -226,8 +226,8 @@ class StoreShard:
         boundary: int = 0,
     ) -> int:
         """Read and verify this shard's rows from a snapshot (the files of its chain, resolved
-        to the rows live at its capture), staged until commit. `boundary`: the seq the shard
-        had reached when the snapshot was captured; later puts must be ordered after it."""
+        to the rows live at its freeze), staged until commit. `boundary`: the seq the shard
+        had reached when the snapshot was frozen; later puts must be ordered after it."""
         loop = asyncio.get_running_loop()
         staged = await loop.run_in_executor(
             None, self._read_files, snapshot_dir_uri, files, num_shards_written, filesystem
@@ -265,7 +265,7 @@ class StoreShard:
             raise RuntimeError("restore_commit without a prepared restore")
         (staged, boundary), self._pending_restore = self._pending_restore, None
         self.leases.clear()
-        self._captured.clear()
+        self._frozen.clear()
         next_seq = boundary
         for name, part in self.partitions.items():
             if name in staged:

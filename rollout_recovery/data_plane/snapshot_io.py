@@ -8,7 +8,7 @@ Layout under a root (a local path or a pyarrow.fs URI such as s3://bucket/prefix
 
 Incremental snapshots: a snapshot may write only what changed since its parent (the previous
 published snapshot of the same store): per shard and partition, the rows put since the
-parent's capture and a `<partition>.deletes.arrow` file of the keys deleted since, each with
+parent's freeze and a `<partition>.deletes.arrow` file of the keys deleted since, each with
 the seq of its delete. Its manifest lists every file a restore reads: its own and, by the
 name of the earlier snapshot that wrote them (`FileEntry.snapshot`), the files of its chain,
 each with its size and sha256. Verification and restore read them all; a restore keeps, per
@@ -66,7 +66,6 @@ from rollout_recovery.data_plane.errors import (
     SnapshotAborted,
     SnapshotCorruptError,
     SnapshotError,
-    SnapshotNotFoundError,
 )
 from rollout_recovery.data_plane.schemas import check_version
 from rollout_recovery.protocol import ID_RE
@@ -130,8 +129,8 @@ class ManifestBody(BaseModel):
     sidecars: list[SidecarEntry] = []
     base: str | None = None  # the parent of an incremental snapshot; None: a full one
     chain_length: int = 1  # snapshots whose files a restore reads (1: a full one)
-    boundaries: list[int] = []  # per shard: its seq at capture (rows after it are newer)
-    rows: dict[str, int] = {}  # partition -> rows in the store at capture
+    boundaries: list[int] = []  # per shard: its seq at freeze (rows after it are newer)
+    rows: dict[str, int] = {}  # partition -> rows in the store at freeze
     written_bytes: int = 0  # bytes of the files this snapshot wrote itself
 
     def chain(self) -> list[str]:
@@ -284,7 +283,7 @@ def read_verified(fs: pafs.FileSystem, snapshot_dir: str, entry: FileEntry) -> p
 
 
 def resolve_rows(rows: list[pa.Table], deletes: list[pa.Table]) -> pa.Table:
-    """The rows live at a snapshot's capture, from the files of its chain: per key the row
+    """The rows live at a snapshot's freeze, from the files of its chain: per key the row
     with the highest seq, unless the key's latest delete has a higher seq. Seqs of one key
     always come from one shard, so they are comparable. Vectorized over dictionary codes of
     the keys (no Python object per row)."""
@@ -642,13 +641,6 @@ def published_uris(root_uri: str, filesystem: pafs.FileSystem | None = None) -> 
     """URIs of every published snapshot under root_uri, oldest first."""
     fs, root = fsys.resolve(root_uri, filesystem)
     return [fsys.child_uri(root_uri, d.name) for d in _list_snapshot_dirs(fs, root) if d.published]
-
-
-def require_latest(root_uri: str) -> str:
-    found = latest_uri(root_uri)
-    if found is None:
-        raise SnapshotNotFoundError(f"no published snapshot under {root_uri}")
-    return found
 
 
 def now_iso() -> str:

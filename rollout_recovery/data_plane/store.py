@@ -93,15 +93,15 @@ class _Parent:
 
 
 @dataclass(frozen=True)
-class CapturedSnapshot:
-    """A snapshot captured on every shard and not written yet (`StagingStore.write`)."""
+class FrozenSnapshot:
+    """A snapshot frozen on every shard and not written yet (`StagingStore.write`)."""
 
     root_uri: str
     filesystem: pafs.FileSystem | None
     seq: int
     path: str  # its directory
     uri: str
-    token: str  # names the capture on the shards
+    token: str  # names the freeze on the shards
     parent: _Parent | None  # None: a full snapshot
     stats: list[dict]  # per shard: boundary, rows (per partition), changed_rows
 
@@ -397,7 +397,7 @@ class StagingStore:
     ) -> SnapshotResult:
         """Write a consistent copy of every shard under root_uri and publish it (manifest last).
 
-        Every put that returned before this call is in it; each shard is captured atomically.
+        Every put that returned before this call is in it; each shard is frozen atomically.
         `sidecars` (name -> bytes, e.g. a controller ledger) are written, checksummed and listed
         in the manifest before it is published. The publish step runs under `gate` (one per
         attempt): once `gate.abort()` returned True, or past `deadline` (time.monotonic()),
@@ -406,23 +406,23 @@ class StagingStore:
         (by the shards too; every method taking a URI accepts it), e.g. a fault-injecting one.
         `owner` is the controller's claim on the root (ownership.claim); publication is
         refused with OwnerFenced once a newer controller claimed it (None: epoch 0, fenced by
-        any claim). `full_every` > 1: incremental (see `capture`).
+        any claim). `full_every` > 1: incremental (see `freeze`).
         """
         gate = gate or PublishGate()
-        captured = self.capture(root_uri, full_every, deadline, gate, filesystem)
-        return self.write(captured, meta, sidecars, deadline, gate, owner)
+        frozen = self.freeze(root_uri, full_every, deadline, gate, filesystem)
+        return self.write(frozen, meta, sidecars, deadline, gate, owner)
 
-    def capture(
+    def freeze(
         self,
         root_uri: str,
         full_every: int = 1,
         deadline: float | None = None,
         gate: PublishGate | None = None,
         filesystem: pafs.FileSystem | None = None,
-    ) -> CapturedSnapshot:
-        """The first half of `snapshot`: a new snapshot directory and every shard captured
-        atomically (a consistent cut of the store); `write` then writes and publishes it while
-        puts and deletes go on. With `full_every` > 1 the capture is incremental - only what
+    ) -> FrozenSnapshot:
+        """The first half of `snapshot`: a new snapshot directory and every shard frozen
+        atomically (one consistent moment of the store); `write` then writes and publishes it while
+        puts and deletes go on. With `full_every` > 1 the freeze is incremental - only what
         changed since the previous snapshot this client published under root_uri - unless
         that parent already ends a chain of `full_every` snapshots, holds more dead rows than
         live ones, or a file it lists is gone; then it is full."""
@@ -436,26 +436,26 @@ class StagingStore:
         uri = child_uri(root_uri, path.rstrip("/").rsplit("/", 1)[-1])
         token = uuid.uuid4().hex
         refs = [
-            shard.capture.remote(token, parent.boundaries[i] if parent else None,
+            shard.freeze.remote(token, parent.boundaries[i] if parent else None,
                                  self._keep_changes_from(i))
             for i, shard in enumerate(self.shards)
         ]  # fmt: skip
         stats = ray.get(refs, timeout=self._timeout(deadline))
-        return CapturedSnapshot(root_uri, filesystem, seq, path, uri, token, parent, stats)
+        return FrozenSnapshot(root_uri, filesystem, seq, path, uri, token, parent, stats)
 
     def write(
         self,
-        captured: CapturedSnapshot,
+        frozen: FrozenSnapshot,
         meta: dict[str, str] | None = None,
         sidecars: dict[str, bytes] | None = None,
         deadline: float | None = None,
         gate: PublishGate | None = None,
         owner: Owner | None = None,
     ) -> SnapshotResult:
-        """The second half of `snapshot`: the captured files, the sidecars, then the manifest
+        """The second half of `snapshot`: the frozen files, the sidecars, then the manifest
         (listing the parent's files too when incremental), published under `gate`."""
         gate = gate or PublishGate()
-        c = captured
+        c = frozen
         fs, _ = _resolve(c.root_uri, c.filesystem)
         try:
             results = ray.get(
@@ -501,7 +501,7 @@ class StagingStore:
     def _keep_changes_from(self, shard: int) -> int | None:
         """The oldest boundary a later incremental snapshot may start from on `shard`: that
         of the oldest parent over every root this client writes to (None: no parent, the
-        shard forgets every change before this capture)."""
+        shard forgets every change before this freeze)."""
         bounds = [p.boundaries[shard] for p in self._parents.values()
                   if len(p.boundaries) == len(self.shards)]  # fmt: skip
         return min(bounds, default=None)
@@ -623,18 +623,18 @@ class StagingStore:
             gate.abort()
             raise
 
-    async def acapture(
+    async def afreeze(
         self,
         root_uri: str,
         full_every: int = 1,
         deadline: float | None = None,
         gate: PublishGate | None = None,
-    ) -> CapturedSnapshot:
-        return await asyncio.to_thread(self.capture, root_uri, full_every, deadline, gate)
+    ) -> FrozenSnapshot:
+        return await asyncio.to_thread(self.freeze, root_uri, full_every, deadline, gate)
 
     async def awrite(
         self,
-        captured: CapturedSnapshot,
+        frozen: FrozenSnapshot,
         meta: dict[str, str] | None = None,
         sidecars: dict[str, bytes] | None = None,
         deadline: float | None = None,
@@ -645,7 +645,7 @@ class StagingStore:
         gate = gate or PublishGate()
         try:
             return await asyncio.to_thread(
-                self.write, captured, meta, sidecars, deadline, gate, owner
+                self.write, frozen, meta, sidecars, deadline, gate, owner
             )
         except asyncio.CancelledError:
             gate.abort()

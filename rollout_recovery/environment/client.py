@@ -14,7 +14,7 @@ and merges the answers, so its callers see one environment:
   continuations joined, swept rows summed;
 - `end_restore`: each actor gets the records of its own rollouts; the unfinished counts are
   summed; `counters`: summed by name; `progress`: summed (controller/liveness.py);
-- `resume`, `begin_restore`, `worker_lost`, `worker_replaced`, `close`: on all, and a failure
+- `reopen`, `begin_restore`, `worker_lost`, `worker_replaced`, `close`: on all, and a failure
   of one is raised only after every actor was called;
 - `start_gateway`: one actor only (the gateway serves one environment's episodes).
 """
@@ -159,8 +159,8 @@ class EnvironmentClient:
             out.chunk_rows_swept += part.chunk_rows_swept
         return out
 
-    async def resume(self, ckpt: str) -> None:
-        await self._all(self._refs("resume", ckpt))
+    async def reopen(self, ckpt: str) -> None:
+        await self._all(self._refs("reopen", ckpt))
 
     def begin_restore(self, restore_id: str) -> None:
         self._get_all(self._refs("begin_restore", restore_id))

@@ -2,7 +2,7 @@
 
 `ctx.chat` ends here (the `ModelCalls` side of an episode context). A call waits while a
 checkpoint is being taken (admission closed), resumes from the continuation its call is
-waiting on (a restore's cut prefix, or a moved call's journal), and goes to the episode's
+waiting on (a restore's cut prefix, or a moved call's token log), and goes to the episode's
 worker through that worker's `ModelCallClient` (token capture, lineage, exact prefix supply).
 A worker that dies under a call does not fail it: the call moves to a live worker as the next
 attempt, from the newest verified prefix of its chain (docs/failover.md), at most
@@ -24,7 +24,7 @@ from rollout_recovery.environment.context import ChatReply
 from rollout_recovery.environment.episode import EpisodeState, call_seed
 from rollout_recovery.environment.inflight import CallTable
 from rollout_recovery.environment.lineage import LineageStore
-from rollout_recovery.environment.migration import journal_continuation
+from rollout_recovery.environment.migration import token_log_continuation
 from rollout_recovery.environment.model_client import ModelCallClient, ModelCallFailed
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_entry import TokenEntry
@@ -213,16 +213,16 @@ class CallDispatcher:
         partition = self.cfg.token_capture.staging_partition
         state = self.calls.get(st.rollout_id)
         resumed_from = state.lost_resumed_from if state is not None else None
-        cont, refused = await journal_continuation(self.store, partition, lost.call,
+        cont, refused = await token_log_continuation(self.store, partition, lost.call,
                                                    resumed_from)  # fmt: skip
         if refused is not None:
-            self.counts[f"migration.journal_refused.{refused}"] += 1
+            self.counts[f"migration.token_log_refused.{refused}"] += 1
         if cont is None:
             cont = Continuation(call_id=lost.call.model_call_id, attempt=lost.call.attempt)
             self.counts["migration.from_scratch"] += 1
         else:
             self.counts["migration.resumed"] += 1
-            self.counts["migration.journal_tokens"] += cont.tokens or 0
+            self.counts["migration.token_log_tokens"] += cont.tokens or 0
         st.attempt = lost.call.attempt + 1
         # A checkpoint taken meanwhile records it (and keeps its rows).
         self.calls.wait_on(st.rollout_id, cont, moved=True)

@@ -77,7 +77,7 @@ class CheckpointParticipant:
         self._expect(ckpt, ParticipantState.PREPARED)
         self.state = ParticipantState.COMMITTED
 
-    def resume(self, ckpt: str) -> None:
+    def reopen(self, ckpt: str) -> None:
         """End of a checkpoint (committed, or aborted at any step): reopen admission."""
         self._expect(
             ckpt, ParticipantState.PREPARING, ParticipantState.PREPARED, ParticipantState.COMMITTED

@@ -79,9 +79,9 @@ class RolloutEnvironment:
     def commit(self, ckpt: str) -> CheckpointRecords:
         return self._loop.run(self.runner.commit(ckpt))
 
-    def resume(self, ckpt: str) -> None:
+    def reopen(self, ckpt: str) -> None:
         """End of a checkpoint, committed or aborted: reopen admission."""
-        self._loop.call(self.runner.participant.resume, ckpt)
+        self._loop.call(self.runner.participant.reopen, ckpt)
 
     def begin_restore(self, restore_id: str) -> None:
         """Refused once this environment has served calls (their effects would mix in)."""

@@ -106,7 +106,7 @@ class TokenCapture:
         self.weight_version = 0
         self.classify = classify  # the reason a call's params make it uncuttable, or None
         self.on_added: Callable[[CapturedCall, AddedRequest], None] | None = None
-        # Called under the lock with the calls that just got new tokens (the journal's nudge).
+        # Called under the lock with the calls that just got new tokens (the token log's nudge).
         self.on_stepped: Callable[[list[CapturedCall]], None] | None = None
 
     # ------------------------------------------------------------------ observer hooks

@@ -97,13 +97,13 @@ class CutService:
         max_calls: int = 4096,
         batch_rows: int = 256,
         batch_tokens: int = 1 << 20,
-        journal_log=None,
+        segments=None,
     ) -> None:
         self.capture, self.store = capture, store
         self.partition, self.terminal_partition = partition, terminal_partition
         self.timeout_s, self.max_calls = timeout_s, max_calls
         self.batch_rows, self.batch_tokens = batch_rows, batch_tokens
-        self.journal_log = journal_log  # a JournalLog: staged rows also go to storage
+        self.segments = segments  # a TokenLogSegments: staged rows also go to storage
         self.metrics = WorkerMetrics()
         self.fence = Fence(on_release=self.metrics.fence_seconds)
         self._cut_lock = asyncio.Lock()
@@ -217,7 +217,7 @@ class CutService:
             except Exception as err:
                 out += [(p, r, f"staging_error: {type(err).__name__}") for p, r in batch]
                 continue
-            if self.journal_log is not None:
+            if self.segments is not None:
                 self._spawn(self._append_segment(table))
             for p, row in batch:
                 call = p.call
@@ -231,30 +231,30 @@ class CutService:
         return out
 
     async def _append_segment(self, table) -> None:
-        """The staged rows' durable copy (journal_log.py), off the loop: decoding and the next
-        cut do not wait for storage."""
+        """The staged rows' durable copy (token_log_segments.py), off the loop: decoding and the
+        next cut do not wait for storage."""
         t0 = time.monotonic()
         try:
-            await asyncio.to_thread(self.journal_log.append, table)
+            await asyncio.to_thread(self.segments.append, table)
         except Exception as err:
-            self.metrics.tally[f"journal_failure.segment_{type(err).__name__}"] += 1
+            self.metrics.tally[f"token_log_failure.segment_{type(err).__name__}"] += 1
             return
-        self.metrics.count("journal.segments")
+        self.metrics.count("token_log.segments")
         seconds = time.monotonic() - t0
-        self.metrics.tally["journal.segment_s_max"] = max(
-            self.metrics.tally["journal.segment_s_max"], seconds
+        self.metrics.tally["token_log.segment_s_max"] = max(
+            self.metrics.tally["token_log.segment_s_max"], seconds
         )
 
-    # ------------------------------------------------------------------ journal
+    # ------------------------------------------------------------------ token log
 
-    def sample_journal_lag(self) -> None:
+    def sample_log_lag(self) -> None:
         """Record each in-flight call's lag: tokens decoded and in no staged row yet."""
         with self.capture.lock:
             for call in self.capture.calls.values():
                 if not (call.finished or call.uncuttable or call.terminal_staged):
-                    self.metrics.journal_lag(call.not_durable(call.num_generated()))
+                    self.metrics.log_lag(call.not_durable(call.num_generated()))
 
-    async def journal(self, due: Callable[[CapturedCall, int, float], bool]) -> int:
+    async def log_calls(self, due: Callable[[CapturedCall, int, float], bool]) -> int:
         """Stage the new tokens of every in-flight call for which `due(call, new_tokens,
         now)` holds, as the next row of its chain (the chain a cut extends too), without a
         fence and without the environment. Returns the tokens made durable."""
@@ -272,7 +272,7 @@ class CutService:
                         plans.append(_Plan(len(plans), ref, call, n, ids, None))
             ready = [p for p in plans if p.call.cleanup is None or p.call.cleanup.done()]
             rows = [(p, self._chunk(p.call, p)) for p in ready]
-            if faults.active("journal_rows_corrupted"):  # deliberate (faults.py)
+            if faults.active("token_log_rows_corrupted"):  # deliberate (faults.py)
                 for _, row in rows:
                     row.token_ids = row.token_ids.copy()
                     row.token_ids[0] += 1
@@ -280,11 +280,11 @@ class CutService:
             for _, row, reason in await self._stage(rows, now + self.timeout_s):
                 if reason is None:
                     staged += row.delta_len
-                    self.metrics.count("journal.rows")
+                    self.metrics.count("token_log.rows")
                 else:
-                    self.metrics.tally[f"journal_failure.{reason.split(':')[0]}"] += 1
+                    self.metrics.tally[f"token_log_failure.{reason.split(':')[0]}"] += 1
             if staged:
-                self.metrics.count("journal.tokens", staged)
+                self.metrics.count("token_log.tokens", staged)
             return staged
 
     def _chunk(self, call: CapturedCall, p: _Plan) -> ChunkRow:

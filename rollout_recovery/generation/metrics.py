@@ -55,19 +55,20 @@ class WorkerMetrics:
             "rollout_recovery_retired_chunk_rows",
             "Earlier attempts' chunk rows deleted after a resume answered without decoding",
         )
-        self.journal_rows = Counter("rollout_recovery_journal_rows", "Chunk rows journaled")
-        self.journal_tokens = Counter(
-            "rollout_recovery_journal_tokens", "Tokens made durable by the journal"
+        self.token_log_rows = Counter("rollout_recovery_token_log_rows", "Chunk rows logged")
+        self.token_log_tokens = Counter(
+            "rollout_recovery_token_log_tokens", "Tokens made durable by the token log"
         )
-        self.journal_segments = Counter(
-            "rollout_recovery_journal_segments", "Journal segments written to checkpoint storage"
+        self.token_log_segments = Counter(
+            "rollout_recovery_token_log_segments",
+            "Token log segments written to checkpoint storage",
         )
-        self.journal_lag_tokens = Histogram(
-            "rollout_recovery_journal_lag_tokens",
-            "Tokens of an in-flight call decoded but not yet durable, sampled per journal pass",
+        self.log_lag_tokens = Histogram(
+            "rollout_recovery_token_log_lag_tokens",
+            "Tokens of an in-flight call decoded but not yet durable, sampled per token log pass",
             buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
         )
-        self.journal_lags: deque[int] = deque(maxlen=100_000)
+        self.log_lags: deque[int] = deque(maxlen=100_000)
         self.resume_decoded = Counter(
             "rollout_recovery_resume_decoded_tokens",
             "Tokens the engine decoded for resumed calls (their tails)",
@@ -104,30 +105,30 @@ class WorkerMetrics:
             "deferred_deletes": self.deferred_deletes,
             "retired_chunk_rows": self.retired_rows,
             "resume.decoded_tokens": self.resume_decoded,
-            "journal.rows": self.journal_rows,
-            "journal.tokens": self.journal_tokens,
-            "journal.segments": self.journal_segments,
+            "token_log.rows": self.token_log_rows,
+            "token_log.tokens": self.token_log_tokens,
+            "token_log.segments": self.token_log_segments,
         }
         series[name].inc(n)
         self.tally[name] += n
 
-    def journal_lag(self, tokens: int) -> None:
-        self.journal_lag_tokens.observe(tokens)
-        self.journal_lags.append(tokens)
+    def log_lag(self, tokens: int) -> None:
+        self.log_lag_tokens.observe(tokens)
+        self.log_lags.append(tokens)
 
-    def journal_lag_percentiles(self) -> dict[str, float]:
-        """p50 and p99 of the sampled journal lag (tokens), for the run's counts."""
-        if not self.journal_lags:
+    def log_lag_percentiles(self) -> dict[str, float]:
+        """p50 and p99 of the sampled token log lag (tokens), for the run's counts."""
+        if not self.log_lags:
             return {}
-        lags = sorted(self.journal_lags)
+        lags = sorted(self.log_lags)
 
         def at(q: float) -> float:
             return float(lags[min(len(lags) - 1, int(q * len(lags)))])
 
-        return {"journal.lag_p50_max": at(0.5), "journal.lag_p99_max": at(0.99)}
+        return {"token_log.lag_p50_max": at(0.5), "token_log.lag_p99_max": at(0.99)}
 
     def fence_seconds(self, seconds: float) -> None:
         self.fence_hold.inc(seconds)
 
     def snapshot(self) -> dict[str, float]:
-        return dict(self.tally) | self.journal_lag_percentiles()
+        return dict(self.tally) | self.log_lag_percentiles()

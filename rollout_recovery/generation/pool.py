@@ -91,9 +91,6 @@ class WorkerHandle:
         """What the engine did per call attempt since cursor `since` (an `AttemptPage`)."""
         return self._get("call_attempts", since, limit)
 
-    async def acapture_metrics(self) -> dict[str, float]:
-        return await self._ref("capture_metrics")
-
     def capture_metrics(self) -> dict[str, float]:
         return self._get("capture_metrics")
 
@@ -110,10 +107,6 @@ class WorkerHandle:
         """`fn(worker, *args)` run inside the actor on its event loop's thread, for tests and
         benchmarks that inject faults or read internals (Ray's `__ray_call__`)."""
         return self._get("__ray_call__", fn, *args)
-
-    def refresh_info(self) -> WorkerInfo:
-        """What the worker reports now (its engine pids may have changed)."""
-        return self._get("info")
 
 
 # What a worker actor raises once it is gone (killed, its node lost, its process dead).
@@ -301,7 +294,7 @@ class WorkerPool:
     async def cut(self, inventories: dict[int, CutInventory]) -> list[dict[str, Any]]:
         """Cut each worker's inventory (by worker index) concurrently; the receipts. The calls
         of a worker that is lost or fails are `durable_failure` with reason
-        `worker_unavailable` (they go on from their journal or from scratch)."""
+        `worker_unavailable` (they go on from their token log or from scratch)."""
         items = list(inventories.items())
 
         async def one(index: int, inv: CutInventory) -> dict[str, Any]:

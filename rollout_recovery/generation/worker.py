@@ -18,15 +18,15 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from rollout_recovery.config import WorkerConfig
-from rollout_recovery.data_plane.journal_log import JournalLog
+from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.generation import prefix_supply, vllm_compat
 from rollout_recovery.generation.capture import TokenCapture
 from rollout_recovery.generation.control import RequestGate, make_control_router
 from rollout_recovery.generation.cut import CutService
 from rollout_recovery.generation.cuttability import uncuttable_reason
 from rollout_recovery.generation.engine_host import EngineHost, child_pids
-from rollout_recovery.generation.journal import Journal
 from rollout_recovery.generation.resume import Resumer
+from rollout_recovery.generation.token_log import TokenLog
 from rollout_recovery.generation.weights import push_weights
 from rollout_recovery.protocol import CutInventory
 
@@ -63,12 +63,12 @@ class CaptureWiring:
     service: CutService
     resumer: Resumer
     router: APIRouter
-    journal: Journal
+    token_log: TokenLog
 
 
 def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker") -> CaptureWiring:
     """Build the capture parts of a worker; `tokenizer` is the one its detokenizers use,
-    `writer` names its journal segments (docs/failover.md)."""
+    `writer` names its token log segments (docs/failover.md)."""
     tc = cfg.token_capture
     if store is None:
         raise RuntimeError("token_capture.enabled needs a StagingStore: pass store=")
@@ -92,7 +92,7 @@ def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker
         terminal_partition=tc.terminal_partition,
         timeout_s=tc.control_timeout_s,
         max_calls=tc.max_inventory_calls,
-        journal_log=JournalLog(tc.journal_uri, writer) if tc.journal_uri else None,
+        segments=TokenLogSegments(tc.log_uri, writer) if tc.log_uri else None,
     )
     resumer = Resumer(
         capture,
@@ -103,9 +103,9 @@ def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker
         fetch_timeout_s=tc.control_timeout_s,
         tokenizer=tokenizer,
     )
-    journal = Journal(service, tc.journal_interval_tokens, tc.journal_interval_s)
+    token_log = TokenLog(service, tc.log_interval_tokens, tc.log_interval_s)
     router = make_control_router(service, tc.control_auth_token)
-    return CaptureWiring(capture, service, resumer, router, journal)
+    return CaptureWiring(capture, service, resumer, router, token_log)
 
 
 class GenerationWorker:
@@ -124,7 +124,7 @@ class GenerationWorker:
         self._host: EngineHost | None = None
         self._engine: Any = None
         self._service: CutService | None = None
-        self._journal: Journal | None = None
+        self._token_log: TokenLog | None = None
         self._weight_version = 0
         self._info: WorkerInfo | None = None
 
@@ -140,8 +140,8 @@ class GenerationWorker:
             writer = self._actor_name or f"worker-{self._index}-{os.getpid()}"
             tokenizer = vllm_compat.output_tokenizer(engine)
             wiring = wire_capture(self._cfg, self._store, tokenizer, writer)
-            self._service, self._journal = wiring.service, wiring.journal
-            wiring.journal.start()
+            self._service, self._token_log = wiring.service, wiring.token_log
+            wiring.token_log.start()
         app = await host.create_app([wiring.router] if wiring else [])
         ends = prefix_supply.turn_end_ids(host.tokenizer)
         vllm_compat.install_engine_hooks(
@@ -245,8 +245,8 @@ class GenerationWorker:
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Write what is owed to the store, then stop HTTP and the engine."""
-        if self._journal is not None:
-            await self._journal.stop()
+        if self._token_log is not None:
+            await self._token_log.stop()
         if self._service is not None:
             # Terminal rows of finished calls are still owed to the store.
             with contextlib.suppress(TimeoutError):

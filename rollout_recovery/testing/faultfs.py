@@ -1,7 +1,7 @@
 """A fault-injecting pyarrow filesystem for durability tests: wraps a real one (local or S3).
 
 `fault_filesystem(inner, state_dir)` returns a `pyarrow.fs.PyFileSystem` over a `FaultFs`
-handler that delegates every call to `inner`, records it in a journal, and can:
+handler that delegates every call to `inner`, records it in an operation log, and can:
 
 * cut a chosen file at a chosen byte (`tear`: the bytes after it never land);
 * lose power (`power_loss`): the filesystem returns to what was durable;
@@ -29,7 +29,7 @@ environment: `armed_env(state_dir)` names the state directory and this module's
 for every local path it resolves. Production code never imports this module.
 
 Ray actors write snapshot files in other processes, so the model, the armed faults and the
-journal live in `state_dir` (a local directory) under a file lock: every copy of the handler,
+operation log live in `state_dir` (a local directory) under a file lock: every copy of the handler,
 pickled into any process on this machine, shares them. `power_loss` should be called while no
 writer is active (stop one first with an injected error); a stream that was open across it
 refuses to close.
@@ -54,7 +54,7 @@ import pyarrow.fs as pafs
 from rollout_recovery import faults
 from rollout_recovery.data_plane.filesystem import create_only
 
-# The kinds `fail` accepts -> the journal operations each one matches.
+# The kinds `fail` accepts -> the recorded operations each one matches.
 FAULT_KINDS: dict[str, tuple[str, ...]] = {
     "write": ("write",),
     "fsync": ("fsync", "fsync_dir"),
@@ -66,7 +66,7 @@ FAULT_KINDS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class Op:
-    """One journaled operation; `error` is the errno of an injected failure (0: it ran)."""
+    """One recorded operation; `error` is the errno of an injected failure (0: it ran)."""
 
     op: str
     path: str
@@ -91,7 +91,7 @@ class _State:
     epoch: int = 0
     next_ino: int = 1
     faults: list[_Fault] = field(default_factory=list)
-    journal: list[Op] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
     live: dict[str, int | None] = field(default_factory=dict)  # file path -> inode or absent
     durable: dict[str, int | None] = field(default_factory=dict)
     live_dirs: dict[str, bool] = field(default_factory=dict)
@@ -102,7 +102,7 @@ class _State:
     def load(cls, raw: dict[str, Any]) -> _State:
         st = cls(**raw)
         st.faults = [_Fault(**f) for f in raw["faults"]]
-        st.journal = [Op(**o) for o in raw["journal"]]
+        st.ops = [Op(**o) for o in raw["ops"]]
         return st
 
 
@@ -143,7 +143,7 @@ def _io_error(code: int, path: str) -> OSError:
 
 
 class FaultFs(pafs.FileSystemHandler):
-    """The handler: delegates to `inner`, journals, injects faults, models durability."""
+    """The handler: delegates to `inner`, records, injects faults, models durability."""
 
     def __init__(
         self,
@@ -186,9 +186,9 @@ class FaultFs(pafs.FileSystemHandler):
         return os.path.join(self.state_dir, "data", str(ino))
 
     def _record(self, st: _State, op: str, path: str, dest: str = "") -> None:
-        """Journal `op`, raising the injected error if an armed fault picks this one."""
+        """Record `op`, raising the injected error if an armed fault picks this one."""
         fault = self._pick(st, op, path, dest, torn=False)
-        st.journal.append(Op(op, path, dest, fault.error if fault else 0))
+        st.ops.append(Op(op, path, dest, fault.error if fault else 0))
         if fault:
             raise _io_error(fault.error, path)
 
@@ -227,7 +227,7 @@ class FaultFs(pafs.FileSystemHandler):
             ino = st.live.get(path)
             if ino is not None and st.synced.get(str(ino), 0) > offset:
                 self._flip(pafs.LocalFileSystem(), self._shadow(ino), offset, bit)
-            st.journal.append(Op("flip_bit", path))
+            st.ops.append(Op("flip_bit", path))
 
     @staticmethod
     def _flip(fs: pafs.FileSystem, path: str, offset: int, bit: int) -> None:
@@ -237,9 +237,9 @@ class FaultFs(pafs.FileSystemHandler):
         with fs.open_output_stream(path) as out:
             out.write(bytes(data))
 
-    def journal(self) -> list[Op]:
+    def ops(self) -> list[Op]:
         with self._state() as st:
-            return list(st.journal)
+            return list(st.ops)
 
     # ------------------------------------------------------------------ durability
 
@@ -275,7 +275,7 @@ class FaultFs(pafs.FileSystemHandler):
         """Return the filesystem to what was durable (see the module docstring)."""
         with self._state() as st:
             st.epoch += 1
-            st.journal.append(Op("power_loss", ""))
+            st.ops.append(Op("power_loss", ""))
             if not self.object_store:
                 self._restore_durable(st)
 
@@ -465,7 +465,7 @@ class FaultFs(pafs.FileSystemHandler):
         with self._state() as st:
             fault = self._pick(st, "write", path, "", torn=False)
             tear = self._pick(st, "write", path, "", torn=True)
-            st.journal.append(Op("write", path, "", fault.error if fault else 0))
+            st.ops.append(Op("write", path, "", fault.error if fault else 0))
             target: Any = io.BytesIO()
             if not self.object_store:
                 if self._track_file(st, path) is None:
@@ -481,7 +481,7 @@ class FaultFs(pafs.FileSystemHandler):
         with self._state() as st:
             if st.epoch != sink.epoch:
                 raise _io_error(errno.EIO, sink.path)
-            st.journal.append(Op("close", sink.path))
+            st.ops.append(Op("close", sink.path))
             if self.object_store:
                 with self.inner.open_output_stream(sink.path) as out:
                     out.write(sink.target.getvalue())

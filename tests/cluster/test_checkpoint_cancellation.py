@@ -21,14 +21,14 @@ async def test_an_attempt_cancelled_while_releasing_still_reopens_admission(make
         storage,
     ):
         entered, go = asyncio.Event(), asyncio.Event()
-        real_resume = env.resume
+        real_reopen = env.reopen
 
-        async def held_resume(ckpt: str) -> None:
+        async def held_reopen(ckpt: str) -> None:
             entered.set()
             await go.wait()
-            await real_resume(ckpt)
+            await real_reopen(ckpt)
 
-        env.resume = held_resume
+        env.reopen = held_reopen
         attempt = asyncio.ensure_future(coordinator.attempt("cadence"))
         async with asyncio.timeout(60):  # the snapshot is published; releasing
             await entered.wait()
@@ -36,7 +36,7 @@ async def test_an_attempt_cancelled_while_releasing_still_reopens_admission(make
         go.set()
         with pytest.raises(asyncio.CancelledError):
             await attempt
-        env.resume = real_resume
+        env.reopen = real_reopen
         after = await coordinator.counted("trainer_checkpoint")
         assert after is not None, storage.read_lines("checkpoints.jsonl")[-1:]
         assert coordinator.failures_in_a_row == 0

@@ -48,7 +48,7 @@ def test_power_loss_on_s3_drops_only_unfinished_uploads(ffs):
     with ffs.open_input_stream(f"{BUCKET}/obj/done") as f:
         assert f.read() == b"complete"
     assert ffs.get_file_info(f"{BUCKET}/obj/pending").type == pafs.FileType.NotFound
-    assert [o.op for o in _h(ffs).journal()][:3] == ["write", "close", "fsync"]
+    assert [o.op for o in _h(ffs).ops()][:3] == ["write", "close", "fsync"]
 
 
 def test_a_failed_s3_attempt_leaves_the_previous_snapshot(make_store, s3_root, ffs):

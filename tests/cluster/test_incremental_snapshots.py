@@ -1,6 +1,6 @@
 """Incremental snapshots on real shard actors and real files (local and the S3 test server):
 a snapshot between two full ones writes only what changed, lists its parent's files by
-reference, restores to exactly the store it captured, and keeps every guarantee of a full one
+reference, restores to exactly the store it frozen, and keeps every guarantee of a full one
 (checksums over the whole chain, retention never breaking a kept chain)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.errors import SnapshotCorruptError
 from rollout_recovery.data_plane.snapshot_io import PublishGate, SnapshotAborted, published_uris
-from rollout_recovery.testing.campaign.snapshot_files import capture_rows, same_rows
+from rollout_recovery.testing.campaign.snapshot_files import same_rows, store_rows
 from tests.cluster.store_helpers import chunk_table, local_s3, replay_table
 
 pytestmark = pytest.mark.cluster
@@ -28,7 +28,7 @@ def _restored(make_store, uri: str, shards: int = 1) -> dict[str, pa.Table]:
     fresh = make_store(shards)
     fresh.put("replay", replay_table(["stale/1"]))  # replaced by the restore
     fresh.restore(uri)
-    return capture_rows(fresh)
+    return store_rows(fresh)
 
 
 def _churn(store: StagingStore, round_: int) -> None:
@@ -46,13 +46,13 @@ def test_incremental_chain_restores_exactly_what_each_snapshot_captured(make_sto
     store.put("rollout_staging", chunk_table(_keys("base", 400)))
     store.put("replay", replay_table(_keys("r", 30)))
     full = store.snapshot(root, full_every=3)
-    expected = {full.uri: capture_rows(store)}
+    expected = {full.uri: store_rows(store)}
     assert full.manifest.body.base is None and full.manifest.body.chain_length == 1
     snaps = [full]
     for round_ in range(1, 4):
         _churn(store, round_)
         snap = store.snapshot(root, full_every=3)
-        expected[snap.uri] = capture_rows(store)
+        expected[snap.uri] = store_rows(store)
         snaps.append(snap)
     bodies = [s.manifest.body for s in snaps]
     # full, incremental, incremental, full again (the chain is bounded by full_every).
@@ -106,13 +106,13 @@ def test_an_unpublished_snapshot_is_never_a_parent(make_store, tmp_path):
     gate = PublishGate()
     gate.abort()
     with pytest.raises(SnapshotAborted):
-        store.write(store.capture(root, full_every=8), gate=gate)
+        store.write(store.freeze(root, full_every=8), gate=gate)
     store.delete("rollout_staging", _keys("a", 2))
     second = store.snapshot(root, full_every=8)
     body = second.manifest.body
     assert body.base == Path(first.uri).name  # not the aborted one
     assert sum(f.rows for f in body.files if f.snapshot is None and f.content == "rows") == 7
-    assert same_rows(_restored(make_store, second.uri), capture_rows(store))
+    assert same_rows(_restored(make_store, second.uri), store_rows(store))
 
 
 def test_a_flipped_byte_in_a_referenced_file_fails_the_incremental_snapshot(make_store, tmp_path):
@@ -147,7 +147,7 @@ def test_a_parent_with_a_missing_file_makes_the_next_snapshot_full(make_store, t
     store.put("replay", replay_table(_keys("s", 3)))
     second = store.snapshot(str(root), full_every=8)
     assert second.manifest.body.base is None
-    assert same_rows(_restored(make_store, second.uri), capture_rows(store))
+    assert same_rows(_restored(make_store, second.uri), store_rows(store))
 
 
 def test_retention_keeps_every_directory_a_kept_snapshot_references(make_store, tmp_path):
@@ -164,7 +164,7 @@ def test_retention_keeps_every_directory_a_kept_snapshot_references(make_store, 
     assert [Path(u).name for u in published_uris(str(root))] == names
     latest = StagingStore.latest(str(root))
     assert Path(latest).name == names[-1]
-    assert same_rows(_restored(make_store, latest), capture_rows(store))
+    assert same_rows(_restored(make_store, latest), store_rows(store))
     store.put("replay", replay_table(_keys("y", 2)))
     full = store.snapshot(str(root), full_every=3)  # the chain is full: a new full one
     assert full.manifest.body.base is None
@@ -183,12 +183,12 @@ def test_after_a_restore_the_next_snapshot_is_full(make_store, tmp_path):
     store.put("replay", replay_table(_keys("t", 2)))
     after = store.snapshot(root, full_every=8)
     assert after.manifest.body.base is None
-    # Seqs after a restore follow the captured ones, so a later incremental orders its rows
+    # Seqs after a restore follow the frozen ones, so a later incremental orders its rows
     # after the restored ones.
     store.delete("replay", _keys("r", 1))
     later = store.snapshot(root, full_every=8)
     assert later.manifest.body.base == Path(after.uri).name
-    assert same_rows(_restored(make_store, later.uri), capture_rows(store))
+    assert same_rows(_restored(make_store, later.uri), store_rows(store))
 
 
 def test_incremental_snapshots_on_s3(make_store):
@@ -205,7 +205,7 @@ def test_incremental_snapshots_on_s3(make_store):
         assert inc.manifest.body.base is not None
         StagingStore.verify(inc.uri, use_cache=False)
         assert StagingStore.gc(root, keep_latest_k=1) == []  # the parent is referenced
-        assert same_rows(_restored(make_store, inc.uri, shards=2), capture_rows(store))
+        assert same_rows(_restored(make_store, inc.uri, shards=2), store_rows(store))
 
 
 def test_inspection_counts_rows_and_names_a_damaged_file_of_the_chain(make_store, tmp_path):
@@ -250,4 +250,4 @@ def test_a_snapshot_into_another_root_keeps_the_changes_this_root_needs(make_sto
     store.snapshot(b)  # full, into another root
     inc = store.snapshot(a, full_every=8)
     assert inc.manifest.body.base is not None
-    assert same_rows(_restored(make_store, inc.uri), capture_rows(store))
+    assert same_rows(_restored(make_store, inc.uri), store_rows(store))

@@ -71,8 +71,8 @@ def _errno(err: BaseException) -> int | None:
     return getattr(getattr(err, "cause", None) or err, "errno", None)
 
 
-def _index(journal: list[Op], op: str, pred) -> list[int]:
-    return [i for i, o in enumerate(journal) if o.op == op and not o.error and pred(o)]
+def _index(ops: list[Op], op: str, pred) -> list[int]:
+    return [i for i, o in enumerate(ops) if o.op == op and not o.error and pred(o)]
 
 
 def test_the_durability_order(make_store, tmp_path, ffs):
@@ -80,7 +80,7 @@ def test_the_durability_order(make_store, tmp_path, ffs):
     written; the manifest is synced before the move; the move is synced after it."""
     _, root, uri, _ = _first(make_store, tmp_path, ffs)
     snap = uri.rstrip("/")
-    j = _h(ffs).journal()
+    j = _h(ffs).ops()
 
     def under(sub: str):
         return lambda o: o.path.startswith(f"{snap}/{sub}")
@@ -140,11 +140,11 @@ def test_a_failed_attempt_publishes_nothing(make_store, tmp_path, ffs, point, lo
     store, root, first, expected = _first(make_store, tmp_path, ffs)
     kind, pattern = CRASH_POINTS[point]
     _h(ffs).fail(kind, pattern, error=errno.EIO)
-    before = len(_h(ffs).journal())
+    before = len(_h(ffs).ops())
     with pytest.raises(OSError) as err:
         _snapshot(store, root, ffs, 2)
     assert _errno(err.value) == errno.EIO
-    after = _h(ffs).journal()[before:]
+    after = _h(ffs).ops()[before:]
     [failed] = [o for o in after if o.error]
     assert failed.error == errno.EIO
     assert not [o for o in after if o.op == "move" and not o.error], "nothing was published"

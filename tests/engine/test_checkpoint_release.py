@@ -21,7 +21,7 @@ pytestmark = pytest.mark.engine
 class EnvLostOnResume(RolloutEnvironment):
     """Fault injection: the environment's release step fails with an arbitrary error."""
 
-    def resume(self, ckpt: str) -> None:
+    def reopen(self, ckpt: str) -> None:
         raise RuntimeError("environment lost its loop")
 
 

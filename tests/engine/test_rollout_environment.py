@@ -176,7 +176,7 @@ def test_chunk_rows_do_not_outlive_their_calls(capture_worker, tiny_cfg):
     _stray_rows(store, "sweep-a-g0/c0/a0/c000000", "sweep-a-g1/c2/a1/c000003")
     env.prepare("ckpt-sweep", lease_s=60)
     records = env.commit("ckpt-sweep")
-    env.resume("ckpt-sweep")
+    env.reopen("ckpt-sweep")
     env.close()
     assert records.chunk_rows_swept >= 2
     assert store.list("rollout_staging", "sweep-a-") == []
@@ -254,7 +254,7 @@ def test_two_environment_actors_split_episodes_and_sweep_only_their_own_rows(
         async def checkpoint():
             cuts = await env.prepare("ckpt-split", lease_s=60)
             committed = await env.commit("ckpt-split")
-            await env.resume("ckpt-split")
+            await env.reopen("ckpt-split")
             return cuts, committed
 
         cuts, committed = asyncio.run(checkpoint())

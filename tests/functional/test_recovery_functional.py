@@ -44,11 +44,11 @@ def _check(*args: str) -> subprocess.CompletedProcess:
 
 SMALL = ["grpo.prompts_per_step=1"]  # one GRPO group of 4 per step (a config override)
 NOTES = ["--env", "notes", "--cuts", "2"]
-# With the journal on: each restore takes a call from the newer of its snapshot cut and its
-# journal, and the engine evidence is checked against what it took. A row every 2 tokens, so
-# even a kill soon after its snapshot finds journal rows past the cut.
+# With the token log on: each restore takes a call from the newer of its snapshot cut and its
+# token log, and the engine evidence is checked against what it took. A row every 2 tokens, so
+# even a kill soon after its snapshot finds token log rows past the cut.
 PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2",
-          "token_capture.journal_interval_tokens=2"]  # fmt: skip
+          "token_capture.log_interval_tokens=2"]  # fmt: skip
 # Three steps of 192-token turns: a kill may land in step 1 or 2, and each step's generation
 # outlasts a snapshot on the S3 server even with the four checks sharing two cores (a snapshot
 # there took 4-7 s; with 96-token turns a step's generation ended after its first snapshot,
@@ -77,7 +77,7 @@ RUNS = {
     "two_node": TWO_NODE_ARGS,
 }
 SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE}
-BROKEN = ("resume_disabled", "redecode_committed_turns", "journal_rows_corrupted")
+BROKEN = ("resume_disabled", "redecode_committed_turns", "token_log_rows_corrupted")
 AFTER_TURN = ("failover", "two_node")  # started once the turn check is done
 
 
@@ -166,10 +166,10 @@ def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
         "redecode_committed_turns": [str(CHECK), "--out", str(outs["redecode_committed_turns"]),
                                      *TURN, "--from-kill", str(runs["turn"]), "--fault",
                                      "redecode_committed_turns", *SMALL],
-        "journal_rows_corrupted": [str(FAILOVER), "--out", str(outs["journal_rows_corrupted"]),
+        "token_log_rows_corrupted": [str(FAILOVER), "--out", str(outs["token_log_rows_corrupted"]),
                                    "--kill", "engine", *FAILOVER_ARGS, "--reference",
                                    str(runs["failover"] / "reference"), "--fault",
-                                   "journal_rows_corrupted"],
+                                   "token_log_rows_corrupted"],
     }  # fmt: skip
     procs = {name: subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -188,10 +188,10 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
     report = _report(prefix_run)
     assert report["violations"] == [] and report["env"] == "notes"
     assert [k["step"] for k in report["kills"]] == [0, 1]
-    # Calls the journal had taken past their snapshot cut resumed from the journal's prefix
+    # Calls the token log had taken past their snapshot cut resumed from the token log's prefix
     # (the evidence check above held them to it).
-    taken = [c for k in report["kills"] for c in k.get("journal", {}).values()]
-    assert taken and all(c["journal_tokens"] > c["snapshot_tokens"] for c in taken)
+    taken = [c for k in report["kills"] for c in k.get("token_log", {}).values()]
+    assert taken and all(c["token_log_tokens"] > c["snapshot_tokens"] for c in taken)
     # Every note-store effect of every episode logged once, the stores equal the reference's.
     assert report["effects"]["episodes"] == 8 and report["effects"]["effects"] == 16
     assert report["restored_calls"] >= 4 and report["restored_prefix_tokens"] > 0
@@ -289,10 +289,10 @@ def test_an_openai_harness_through_the_gateway_recovers_with_parity(gateway_run)
     assert lost["prefix"] < lost["turn"] <= lost["none"]
 
 
-def test_a_dead_workers_calls_continue_from_their_journal_without_a_restart(failover_run):
+def test_a_dead_workers_calls_continue_from_their_token_log_without_a_restart(failover_run):
     """Worker 1's engine SIGKILLed (two workers), then the only worker's actor ray.killed after
     a weight push: each run finished by itself with every batch equal to the reference's,
-    every call the dead worker held resumed from its journal on a live worker (the replacement,
+    every call the dead worker held resumed from its token log on a live worker (the replacement,
     on the pushed weights, in the one-worker run), at most K tokens decoded again per call."""
     report = json.loads((failover_run / "failover.json").read_text())
     assert report["problems"] == []
@@ -301,24 +301,26 @@ def test_a_dead_workers_calls_continue_from_their_journal_without_a_restart(fail
     for row in rows.values():
         assert row["same_batches"] and row["logprobs_bit_identical_min"] == 1.0
         assert row["calls_on_dead_worker"] >= 4
-        assert row["resumed_from_journal"] == row["calls_on_dead_worker"]
-        assert 0 <= row["redecoded_tokens_max"] <= row["journal_tokens_k"]
+        assert row["resumed_from_token_log"] == row["calls_on_dead_worker"]
+        assert 0 <= row["redecoded_tokens_max"] <= row["token_log_tokens_k"]
         assert sum(row["migrations"].values()) >= row["calls_on_dead_worker"]
     assert rows["engine"]["migrations"].get("migrations.engine_dead")
     assert rows["actor"]["migrations"].get("migrations.actor_dead")
     assert rows["actor"]["workers_replaced"] >= 1
 
 
-def test_the_failover_check_fails_when_a_journal_is_corrupted(broken):
-    """Journal rows staged with a changed token: the moved calls refuse the chain and are
+def test_the_failover_check_fails_when_a_token_log_is_corrupted(broken):
+    """Token log rows staged with a changed token: the moved calls refuse the chain and are
     decoded from scratch (counted), so the batches still match, and the check fails on them."""
-    proc, tmp_path = broken["journal_rows_corrupted"]
+    proc, tmp_path = broken["token_log_rows_corrupted"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "not resumed from its journal" in proc.stdout
+    assert "not resumed from its token log" in proc.stdout
     [row] = json.loads((tmp_path / "failover.json").read_text())["runs"]
-    assert row["same_batches"] and row["resumed_from_journal"] == 0
+    assert row["same_batches"] and row["resumed_from_token_log"] == 0
     lines = (tmp_path / "engine" / "steps.jsonl").read_text().splitlines()
-    refused = sum(json.loads(r).get("migration.journal_refused.digest_mismatch", 0) for r in lines)
+    refused = sum(
+        json.loads(r).get("migration.token_log_refused.digest_mismatch", 0) for r in lines
+    )
     assert refused == row["calls_on_dead_worker"] > 0
 
 

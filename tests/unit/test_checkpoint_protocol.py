@@ -56,23 +56,23 @@ class LocalActor:
 class FailingStore:
     """Captures (inside the fences), then fails writing the files (after them)."""
 
-    async def acapture(self, *args, **kwargs):
-        return "captured"
+    async def afreeze(self, *args, **kwargs):
+        return "frozen"
 
     async def awrite(self, *args, **kwargs):
         raise OSError("disk full")
 
 
 class HangingStore(FailingStore):
-    """Hangs capturing (`stage="capture"`, inside the fences) or writing (after them)."""
+    """Hangs freezing (`stage="freeze"`, inside the fences) or writing (after them)."""
 
     def __init__(self, stage: str) -> None:
         self.stage = stage
 
-    async def acapture(self, *args, **kwargs):
-        if self.stage == "capture":
+    async def afreeze(self, *args, **kwargs):
+        if self.stage == "freeze":
             await asyncio.sleep(3600)
-        return "captured"
+        return "frozen"
 
     async def awrite(self, *args, **kwargs):
         await asyncio.sleep(3600)
@@ -153,7 +153,7 @@ class RaisingEnv(LocalActor):
     """An environment whose release step raises something other than a protocol error."""
 
     def __getattr__(self, name):
-        if name == "resume":
+        if name == "reopen":
             return _Method(lambda ckpt: (_ for _ in ()).throw(RuntimeError("env lost")))
         return super().__getattr__(name)
 
@@ -167,7 +167,7 @@ def test_fences_are_released_whatever_the_environment_raises_on_release(tmp_path
     assert rr.metrics.controller["release_errors"] == 1
 
 
-@pytest.mark.parametrize("stage", ["capture", "write"])
+@pytest.mark.parametrize("stage", ["freeze", "write"])
 def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path, stage):
     rr, fakes = _rr(tmp_path, 2, "rollout_checkpointing.attempt_timeout_s=0.3")
     rr.store = HangingStore(stage)
@@ -183,7 +183,7 @@ def test_an_attempt_past_its_timeout_is_aborted_and_releases_everything(tmp_path
 
 
 class FinishingStore(FailingStore):
-    """Finishes the step's work (`work`) in the same loop iteration as the capture it answers:
+    """Finishes the step's work (`work`) in the same loop iteration as the freeze it answers:
     the ordering under which the cadence, cancelled as the work ended, kept going (Python
     3.11's `asyncio.wait_for` returns the result of an inner task that is already done and
     drops the cancellation). Counts the attempts begun after the work had finished."""
@@ -192,12 +192,12 @@ class FinishingStore(FailingStore):
         self.work: asyncio.Future | None = None
         self.late_attempts = 0
 
-    async def acapture(self, *args, **kwargs):
+    async def afreeze(self, *args, **kwargs):
         if self.work.done():
             self.late_attempts += 1
         else:
             self.work.set_result("step done")
-        return "captured"
+        return "frozen"
 
 
 def test_the_cadence_stops_when_the_work_ends_in_the_same_moment_as_a_capture(tmp_path):
@@ -222,7 +222,7 @@ class StuckEnv(LocalActor):
     """An environment whose release (reopening admission) never answers."""
 
     def __getattr__(self, name):
-        if name == "resume":
+        if name == "reopen":
 
             class Stuck:
                 def remote(self, ckpt):

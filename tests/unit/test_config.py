@@ -436,6 +436,15 @@ def test_unknown_key_says_the_same_with_a_suggestion_from_yaml_and_override(
     assert from_yaml.partition(": ")[2] in from_override
 
 
+def test_a_renamed_key_names_its_new_name_from_yaml_and_override(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("token_capture:\n  journal_interval_tokens: 8\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    for msg in (str(info.value), _error("token_capture.journal_storage=false")):
+        assert "\n" not in msg and "was renamed `token_capture.log_" in msg
+
+
 def test_unknown_override_key_suggests_the_whole_corrected_path():
     msg = _error("polcy.served_model_name=p")
     assert "did you mean `policy.served_model_name`?" in msg

@@ -305,13 +305,13 @@ def test_the_rows_a_restored_call_resumes_from_survive_checkpoints_until_it_ends
         records = await runner.commit("k1")
         seen.append(list(staging.keys))
         assert records.continuations[st.rollout_id].keys == [key]
-        runner.participant.resume("k1")
+        runner.participant.reopen("k1")
         await asyncio.sleep(0.05)  # now in flight, resuming from the rows
         assert runner.calls.get(st.rollout_id).in_flight
         await runner.prepare("k2", lease_s=60)
         await runner.commit("k2")
         seen.append(list(staging.keys))
-        runner.participant.resume("k2")
+        runner.participant.reopen("k2")
         runner.dispatch.clients[0].release.set()
         with pytest.raises(RuntimeError, match="released"):
             await call

@@ -1,4 +1,4 @@
-"""The fault-injecting filesystem on a tmp dir through the LocalFileSystem: the journal, torn
+"""The fault-injecting filesystem on a tmp dir through the LocalFileSystem: the operation log, torn
 writes, power loss against the durable state, bit flips, injected errors, the snapshot
 layer's one fsync seam, and the seam that puts a whole run behind it."""
 
@@ -42,7 +42,7 @@ def _durable_write(fs: pafs.PyFileSystem, path: Path, data: bytes) -> None:
     _h(fs).fsync(str(path.parent), directory=True)
 
 
-def test_the_journal_records_every_operation(ffs, d):
+def test_the_operation_log_records_every_operation(ffs, d):
     _write(ffs, d / "a", b"x")
     filesystem.sync_file(ffs, str(d / "a"))
     ffs.create_dir(str(d / "sub"))
@@ -50,7 +50,7 @@ def test_the_journal_records_every_operation(ffs, d):
     ffs.move(str(d / "a"), str(d / "sub" / "b"))
     ffs.delete_file(str(d / "sub" / "b"))
     ffs.delete_dir(str(d / "sub"))
-    assert [(o.op, o.path, o.dest) for o in _h(ffs).journal()] == [
+    assert [(o.op, o.path, o.dest) for o in _h(ffs).ops()] == [
         ("write", f"{d}/a", ""),
         ("close", f"{d}/a", ""),
         ("fsync", f"{d}/a", ""),
@@ -165,7 +165,7 @@ def test_an_injected_error_hits_only_the_chosen_occurrence(ffs, d, kind, code):
         _op(kind, ffs, d, 2)
     assert err.value.errno == code
     _op(kind, ffs, d, 3)
-    failed = [o for o in _h(ffs).journal() if o.error]
+    failed = [o for o in _h(ffs).ops() if o.error]
     assert len(failed) == 1 and failed[0].error == code and failed[0].path == f"{d}/f2"
 
 
@@ -180,10 +180,10 @@ def test_an_injected_fsync_error_leaves_the_bytes_undurable(ffs, d):
 
 
 def test_copies_share_one_state(ffs, d):
-    """A handler pickled into another process (a Ray actor) journals into the same state."""
+    """A handler pickled into another process (a Ray actor) records into the same state."""
     twin = pickle.loads(pickle.dumps(ffs))
     _write(twin, d / "f", b"from the twin")
-    assert Op("close", f"{d}/f") in _h(ffs).journal()
+    assert Op("close", f"{d}/f") in _h(ffs).ops()
     _h(ffs).power_loss()
     assert not (d / "f").exists()
 

@@ -1,5 +1,5 @@
 """The environment's side of a worker dying under a call, with fake workers (fault injection):
-the call moves as the next attempt with its journal as the continuation, a failure that is not
+the call moves as the next attempt with its token log as the continuation, a failure that is not
 a worker's death is raised as before, and the limits fail the episode with a named reason.
 Real workers killed mid-generation are the failover check's (functional_tests/)."""
 
@@ -22,7 +22,7 @@ from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.generation.worker import WorkerHealth
 from rollout_recovery.protocol import RESUME_KEYS_ARG, RESUME_TOKENS_ARG, CallIdentity
-from tests.unit.test_journal_restore import _chain
+from tests.unit.test_token_log_restore import _chain
 
 STAGING = "rollout_staging"
 
@@ -104,7 +104,7 @@ async def test_a_call_moves_to_a_live_worker_from_its_journal_until_max_migratio
     assert x1[RESUME_KEYS_ARG] == [r.key for r in rows] and x1[RESUME_TOKENS_ARG] == 16
     assert runner.counts["migrations.actor_dead"] == 2
     assert runner.counts["migration.resumed"] == 1
-    assert runner.counts["migration.journal_tokens"] == 16
+    assert runner.counts["migration.token_log_tokens"] == 16
     assert runner.counts["migration_failed.max_migrations"] == 1
     assert runner.workers.lost == {0: "actor_dead", 1: "actor_dead"}
 
@@ -119,7 +119,7 @@ async def test_a_dead_engine_is_a_lost_worker_and_a_refused_journal_starts_the_c
         await _call(runner, st)
     assert RESUME_KEYS_ARG not in clients[1].calls[0][3]  # decoded from scratch
     assert runner.counts["migrations.engine_dead"] == 2
-    assert runner.counts["migration.journal_refused.chunk_order"] == 1
+    assert runner.counts["migration.token_log_refused.chunk_order"] == 1
     assert runner.counts["migration.from_scratch"] == 1
 
 
@@ -164,7 +164,7 @@ async def test_a_call_waits_for_a_replacement_and_fails_named_when_none_comes():
 
 
 class HeldStore(Store):
-    """Reads of the journal wait until `release` is set (a slow store during a move)."""
+    """Reads of the token log wait until `release` is set (a slow store during a move)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -176,20 +176,20 @@ class HeldStore(Store):
 
 
 async def test_a_checkpoint_during_a_move_keeps_the_lost_attempts_journal():
-    """Between the failed call and its next attempt (its journal being read) a commit records
+    """Between the failed call and its next attempt (its token log being read) a commit records
     the call as in flight, not cut, and its sweep keeps the lost attempt's rows: without that
-    the move found no journal."""
+    the move found no token log."""
     runner, clients = _runner([DEAD, DEAD], [GONE, GONE], HeldStore(), max_migrations=1)
     st = EpisodeState("r-g0", "r", 0, 7, {})
     runner.episodes[st.rollout_id] = st
     rows = _journaled(runner, st, [8, 8])
     call = asyncio.ensure_future(_call(runner, st))
-    await asyncio.sleep(0.05)  # failed, its worker found dead, its journal being read
+    await asyncio.sleep(0.05)  # failed, its worker found dead, its token log being read
     call_state = runner.calls.get(st.rollout_id)
     assert not call_state.in_flight and call_state.lost is not None
     await runner.prepare("k1", lease_s=60)
     records = await runner.commit("k1")
-    runner.participant.resume("k1")
+    runner.participant.reopen("k1")
     assert records.chunk_rows_swept == 0 and set(runner.store.rows) == {r.key for r in rows}
     [rec] = records.episodes
     assert (rec.continuation.call_id, rec.continuation.attempt, rec.continuation.keys) == (

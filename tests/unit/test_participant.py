@@ -24,7 +24,7 @@ def test_checkpoint_path_and_admission():
             p.commit("c0")  # a late message from another checkpoint
         p.commit("c1")
         assert p.state == ParticipantState.COMMITTED and not waiter.done()
-        p.resume("c1")
+        p.reopen("c1")
         async with asyncio.timeout(1):
             await waiter
         assert p.state == ParticipantState.IDLE and p.calls_served == 2
@@ -38,7 +38,7 @@ def test_an_aborted_checkpoint_reopens_and_a_lost_controller_times_out():
     async def scenario():
         p = CheckpointParticipant()
         p.prepare("c1", lease_s=30)
-        p.resume("c1")  # abort before prepared: admission reopens
+        p.reopen("c1")  # abort before prepared: admission reopens
         assert p.state == ParticipantState.IDLE
         p.prepare("c2", lease_s=0.2)  # the controller then disappears
         async with asyncio.timeout(2):

@@ -1,4 +1,4 @@
-"""The change log behind incremental snapshots, on one partition (pure logic): what a capture
+"""The change log behind incremental snapshots, on one partition (pure logic): what a freeze
 since a boundary holds, and that a partition never snapshotted logs nothing."""
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ def test_a_partition_never_captured_logs_no_changes():
     part.delete(["k1", "k2"], 50)
     assert part.put_log == [] and part.delete_log == []
     with pytest.raises(RuntimeError, match="logged no changes since"):
-        part.capture(since=0)
+        part.freeze(since=0)
 
 
 def test_a_capture_since_a_boundary_holds_only_the_changes():
     part = PartitionTable("p", SCHEMA)
     part.put(_rows(["a", "b", "c"]), 0)
-    full = part.capture()  # boundary 3: changes are logged from here on
+    full = part.freeze()  # boundary 3: changes are logged from here on
     assert len(full.positions) == 3 and full.deleted is None
     part.put(_rows(["b", "d"]), 3)  # b replaced, d new
     part.delete(["a"], 5)
-    inc = part.capture(since=3)
+    inc = part.freeze(since=3)
     assert sorted(inc.seqs.tolist()) == [3, 4] and inc.deleted == [(5, "a")]
     assert inc.live_rows == 3
     part.prune_logs(6)

@@ -5,7 +5,7 @@ rows and ledger, both published by one owner claim. Each case damages one file o
 byte-prefix truncation or a one-bit flip), B's publish entry in the root's ownership log
 included,
 runs what a restart runs (`select_snapshot(root, "latest", "prefix")`, then a restore of the
-chosen snapshot) and compares the restored rows and ledger with the state captured when that
+chosen snapshot) and compares the restored rows and ledger with the state recorded when that
 snapshot was taken. The only acceptable outcomes are "restored B exactly" and "refused B,
 said why, restored A exactly"; anything that yields data other than a snapshot's true state
 is silent corruption. B's pristine bytes are written back after every case, and one store is
@@ -15,7 +15,6 @@ reused for every restore, so the campaign stays fast enough to run in CI.
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 import zlib
 from collections.abc import Callable, Iterable
@@ -122,7 +121,7 @@ def _sorted(table: pa.Table, kind: str) -> pa.Table:
     return table.take(pc.sort_indices(table, [("key", "ascending")])).combine_chunks()
 
 
-def capture_rows(store: StagingStore) -> Rows:
+def store_rows(store: StagingStore) -> Rows:
     """Every row the store holds, per partition, in key order."""
     out: Rows = {}
     for name, kind in store.partitions.items():
@@ -183,7 +182,7 @@ def _take(store: StagingStore, root: str, step: int, owner: Owner | None = None)
             "model": MODEL,
         }
     )
-    rows = capture_rows(store)
+    rows = store_rows(store)
     uri = store.snapshot(
         root, meta={"trainer_step": str(step), "reason": "cadence"},
         sidecars={LEDGER: ledger.to_json()}, owner=owner,
@@ -215,7 +214,7 @@ def store_restorer(store: StagingStore) -> Restorer:
     def restore(uri: str) -> Rows:
         store.put("replay", replay_rows([CANARY]))
         store.restore(uri)
-        return capture_rows(store)
+        return store_rows(store)
 
     return restore
 
@@ -504,7 +503,3 @@ def run_campaign(
     result.real_restores = restorer.real if restorer is not None else len(todo)
     result.elapsed_s = time.monotonic() - start
     return result
-
-
-def write_json(result: CampaignResult, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result.to_json(), indent=1) + "\n")

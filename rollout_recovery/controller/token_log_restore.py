@@ -1,12 +1,12 @@
 """A whole-job restore takes, for each call in flight, the newer of its snapshot continuation
-and its journal (docs/failover.md, "Whole-job restore").
+and its token log (docs/failover.md, "Whole-job restore").
 
 For each restored episode the call that was in flight is its continuation's (call, attempt),
 or, when the episode was between calls at the snapshot, its next call under the record's
-attempt (a call that started after the snapshot). Its journaled rows (journal_log.py) are
+attempt (a call that started after the snapshot). Its logged rows (token_log_segments.py) are
 merged with the rows the snapshot holds:
 
-- every seq both hold must carry the same digest (`journal_differs` otherwise);
+- every seq both hold must carry the same digest (`token_log_differs` otherwise);
 - the merged chain must run from chunk 0 without a gap, and pass the checks a resume makes
   (order, counts, chained digests, identity, weight versions, the prompt in chunk 0);
 - only a chain longer than the snapshot's is used: its rows beyond the snapshot are put into
@@ -22,14 +22,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from rollout_recovery.data_plane.chain import ResumeRefused, chain_continuation
-from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
+from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.protocol import CallIdentity, Continuation, EpisodeRecord
 
 
 @dataclass
-class JournalExtension:
-    """What a restore took from the journal: per rollout, the extended continuation and the
+class TokenLogExtension:
+    """What a restore took from the token log: per rollout, the extended continuation and the
     snapshot's prefix length; counts by outcome."""
 
     calls: dict[str, dict] = field(default_factory=dict)
@@ -43,35 +43,35 @@ def in_flight_call(rec: EpisodeRecord) -> CallIdentity:
     return CallIdentity(rec.rollout_id, f"c{len(rec.turns)}", rec.attempt)
 
 
-def extend_from_journal(
-    records: list[EpisodeRecord], store, partition: str, journal_uri: str
-) -> JournalExtension:
-    """Extend the records' continuations in place from the journal; put the rows they now
+def extend_from_token_log(
+    records: list[EpisodeRecord], store, partition: str, log_uri: str
+) -> TokenLogExtension:
+    """Extend the records' continuations in place from the token log; put the rows they now
     name into `store` (the restored StagingStore)."""
-    out = JournalExtension()
+    out = TokenLogExtension()
     wanted = {rec.rollout_id: in_flight_call(rec) for rec in records}
-    journaled, unreadable = JournalLog.read(journal_uri, set(wanted.values()))
+    logged, unreadable = TokenLogSegments.read(log_uri, set(wanted.values()))
     if unreadable:
-        out.counts["journal_restore.unreadable_segments"] += unreadable
+        out.counts["token_log_restore.unreadable_segments"] += unreadable
     for rec in records:
         ident = wanted[rec.rollout_id]
-        rows = journaled.get(ident)
+        rows = logged.get(ident)
         if not rows:
             continue
         try:
             new, cont = _extend(rec, ident, rows, store, partition)
         except ResumeRefused as err:
-            out.counts[f"journal_restore.refused.{err.reason}"] += 1
+            out.counts[f"token_log_restore.refused.{err.reason}"] += 1
             continue
         if cont is None:
-            out.counts["journal_restore.not_newer"] += 1
+            out.counts["token_log_restore.not_newer"] += 1
             continue
         if new:
             store.put(partition, chunk_rows_to_table(new))
         before = rec.continuation.tokens if rec.continuation and rec.continuation.cut else 0
         rec.continuation = cont
-        out.counts["journal_restore.extended_calls"] += 1
-        out.counts["journal_restore.tokens"] += (cont.tokens or 0) - (before or 0)
+        out.counts["token_log_restore.extended_calls"] += 1
+        out.counts["token_log_restore.tokens"] += (cont.tokens or 0) - (before or 0)
         out.calls[rec.rollout_id] = cont.model_dump() | {"snapshot_tokens": before or 0}
     return out
 
@@ -83,7 +83,7 @@ def _extend(
     store,
     partition: str,
 ) -> tuple[list[ChunkRow], Continuation | None]:
-    """(rows to put, the extended continuation), or (_, None) when the journal adds nothing."""
+    """(rows to put, the extended continuation), or (_, None) when the token log adds nothing."""
     cont = rec.continuation
     base: list[ChunkRow] = []
     if cont is not None and cont.cut:
@@ -94,7 +94,7 @@ def _extend(
         base = [by_key[k] for k in cont.keys]
     for seq, row in enumerate(base):
         if seq in rows and (rows[seq] is None or rows[seq].digest != row.digest):
-            raise ResumeRefused("journal_differs", f"{row.key} differs from the snapshot's")
+            raise ResumeRefused("token_log_differs", f"{row.key} differs from the snapshot's")
     chain, seq = list(base), len(base)
     while rows.get(seq) is not None:
         chain.append(rows[seq])

@@ -1,24 +1,24 @@
-"""Benchmark continuous token journaling: decode throughput per journal interval K vs off.
+"""Benchmark continuous token logging: decode throughput per token log interval K vs off.
 
-    .venv/bin/python scripts/bench_journal.py --json bench_results/journal.json
+    .venv/bin/python scripts/bench_token_log.py --json bench_results/token_log.json
 
 One live GenerationWorker (WorkerPool.start, token capture on, a real StagingStore) is started
-once; between rounds its journal is switched (`Journal.configure(K)` run inside the actor)
+once; between rounds its token log is switched (`TokenLog.configure(K)` run inside the actor)
 between `off` and every K of `--k` (default 8, 16, 64, 128 tokens), and K = `--disk-k` (16)
 with the durable copy on (`K=16+disk`: every staged batch also written as a segment file to a
-local directory, fsynced, as a whole-job restore needs; data_plane/journal_log.py). A round
+local directory, fsynced, as a whole-job restore needs; data_plane/token_log_segments.py). A round
 is `--calls` (64) identified greedy chat completions over HTTP, each decoding exactly
 `--tokens` (192) tokens (`ignore_eos`, `logprobs: true`, its own rollout id, so every call is
-journaled when the journal is on). Throughput = the responses' `usage.completion_tokens`
+logged when the token log is on). Throughput = the responses' `usage.completion_tokens`
 summed / wall seconds from the first send to the last response.
 
 The modes are interleaved: `--rounds` cycles over all of them, each cycle in a rotated order
 (so a slow drift of the machine hits every mode alike), after one uncounted warm-up round at
 the smallest K. Per mode: the median tokens/s; the ratio to `off` (median over cycles of the
-mode's tokens/s over the same cycle's `off` round); journal rows and tokens staged per round
-(the worker's `journal.rows` / `journal.tokens` tallies before and after each round); and the
-journal lag (tokens decoded but not yet in the store, sampled every 0.1 s per in-flight call,
-journal on or off) p50 / p99, exact percentiles of the worker's own samples of that mode's
+mode's tokens/s over the same cycle's `off` round); token log rows and tokens staged per round
+(the worker's `token_log.rows` / `token_log.tokens` tallies before and after each round); and the
+token log lag (tokens decoded but not yet in the store, sampled every 0.1 s per in-flight call,
+token log on or off) p50 / p99, exact percentiles of the worker's own samples of that mode's
 rounds; for `+disk`, segments written per round and the slowest segment write.
 
 After each round the worker's background terminal writes are drained and the staging
@@ -83,19 +83,19 @@ async def _decode(url: str, tag: str, calls: int, tokens: int) -> tuple[int, flo
 
 
 def _configure(worker, mode: Mode, disk_dir: str) -> None:
-    from rollout_recovery.data_plane.journal_log import JournalLog
+    from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 
     k, disk = mode
-    worker._journal.configure(k)
-    worker._service.journal_log = JournalLog(disk_dir, "bench") if disk else None
+    worker._token_log.configure(k)
+    worker._service.segments = TokenLogSegments(disk_dir, "bench") if disk else None
 
 
 def _clear_lags(worker) -> None:
-    worker._service.metrics.journal_lags.clear()
+    worker._service.metrics.log_lags.clear()
 
 
 def _lags(worker) -> list[int]:
-    return list(worker._service.metrics.journal_lags)
+    return list(worker._service.metrics.log_lags)
 
 
 def _rows_left(pool, store, partition: str, wait_s: float) -> int:
@@ -124,23 +124,23 @@ def run_round(pool, store, args, mode: Mode, tag: str, partition: str) -> dict:
     failures = {
         key: after.get(key, 0) - before.get(key, 0)
         for key in after
-        if key.startswith("journal_failure.") and after.get(key, 0) != before.get(key, 0)
+        if key.startswith("token_log_failure.") and after.get(key, 0) != before.get(key, 0)
     }
     return {
         "mode": mode_name(mode),
         "k": mode[0],
         "disk": mode[1],
-        "segments": after.get("journal.segments", 0) - before.get("journal.segments", 0),
+        "segments": after.get("token_log.segments", 0) - before.get("token_log.segments", 0),
         # The worker's tally is a maximum since it started: meaningful where segments were
         # written, and only the durable-copy modes write any.
-        "segment_s_max": after.get("journal.segment_s_max") if mode[1] else None,
+        "segment_s_max": after.get("token_log.segment_s_max") if mode[1] else None,
         "tag": tag,
         "seconds": dt,
         "tokens": tokens,
         "tok_s": tokens / dt,
-        "journal_rows": after.get("journal.rows", 0) - before.get("journal.rows", 0),
-        "journal_tokens": after.get("journal.tokens", 0) - before.get("journal.tokens", 0),
-        "journal_failures": failures,
+        "token_log_rows": after.get("token_log.rows", 0) - before.get("token_log.rows", 0),
+        "token_log_tokens": after.get("token_log.tokens", 0) - before.get("token_log.tokens", 0),
+        "token_log_failures": failures,
         "lag_samples": lags,
         "lags_truncated": len(lags) >= 100_000,
         "rows_left": left,
@@ -168,13 +168,13 @@ def summarize(modes: list[Mode], rounds: list[dict]) -> list[dict]:
                 "tok_s": [r["tok_s"] for r in mine],
                 "ratio_vs_off": statistics.median(ratios) if ratios else None,
                 "ratios_vs_off": ratios,
-                "journal_rows_per_round": statistics.mean(r["journal_rows"] for r in mine),
-                "journal_tokens_per_round": statistics.mean(r["journal_tokens"] for r in mine),
+                "token_log_rows_per_round": statistics.mean(r["token_log_rows"] for r in mine),
+                "token_log_tokens_per_round": statistics.mean(r["token_log_tokens"] for r in mine),
                 "lag_samples": len(lags),
                 "lag_p50": percentile(lags, 50) if lags else None,
                 "lag_p99": percentile(lags, 99) if lags else None,
                 "rows_left_max": max(r["rows_left"] for r in mine),
-                "journal_failures": sum(sum(r["journal_failures"].values()) for r in mine),
+                "token_log_failures": sum(sum(r["token_log_failures"].values()) for r in mine),
             }
         )
     return out
@@ -192,8 +192,8 @@ def print_table(summary: list[dict]) -> None:
             s["mode"],
             num(s["tok_s_median"], ",.0f"),
             num(s["ratio_vs_off"], ".3f"),
-            num(s["journal_rows_per_round"], ",.0f"),
-            num(s["journal_tokens_per_round"], ",.0f"),
+            num(s["token_log_rows_per_round"], ",.0f"),
+            num(s["token_log_tokens_per_round"], ",.0f"),
             num(s["lag_p50"], ".0f"),
             num(s["lag_p99"], ".0f"),
             num(s["segments_per_round"], ",.0f"),
@@ -206,7 +206,7 @@ def print_table(summary: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="where to write the results")
-    ap.add_argument("--k", default="8,16,64,128", help="journal intervals (tokens) to compare")
+    ap.add_argument("--k", default="8,16,64,128", help="token log intervals (tokens) to compare")
     ap.add_argument("--disk-k", type=int, default=16,
                     help="K of the extra mode with the durable copy on (0: none)")  # fmt: skip
     ap.add_argument("--calls", type=int, default=64, help="concurrent calls per round")
@@ -229,7 +229,7 @@ def main() -> int:
         modes.append((args.disk_k, True))
     import tempfile
 
-    disk = tempfile.TemporaryDirectory(prefix="bench-journal-")
+    disk = tempfile.TemporaryDirectory(prefix="bench-token-log-")
     args.disk_dir = disk.name
 
     import ray
@@ -261,7 +261,7 @@ def main() -> int:
                     r = run_round(pool, store, args, mode, tag, partition)
                     r["cycle"] = cycle
                     rounds.append(r)
-                    line = f"{r['tok_s']:,.0f} tok/s, {r['journal_rows']} rows"
+                    line = f"{r['tok_s']:,.0f} tok/s, {r['token_log_rows']} rows"
                     print(f"  cycle {cycle} {r['mode']:>6}: {line}, {r['rows_left']} left",
                           flush=True)  # fmt: skip
             pool[0].run_inside(_configure, (None, False), args.disk_dir)
@@ -284,9 +284,9 @@ def main() -> int:
     print_table(summary)
     for s in summary:
         print(f"  {s['mode']:>6} per cycle: " + ", ".join(f"{x:,.0f}" for x in s["tok_s"]))
-    failures = sum(s["journal_failures"] for s in summary)
+    failures = sum(s["token_log_failures"] for s in summary)
     if failures:
-        print(f"journal failures during measured rounds: {failures}")
+        print(f"token log failures during measured rounds: {failures}")
     if left:
         print(f"FAIL: {left} staging row(s) left after rounds (finished calls' rows not deleted)")
 

@@ -1,8 +1,8 @@
-"""The journal's durable copy (segments in checkpoint storage) and a whole-job restore that
-takes, per call in flight, the newer of its snapshot cut and its verified journal.
+"""The token log's durable copy (segments in checkpoint storage) and a whole-job restore that
+takes, per call in flight, the newer of its snapshot cut and its verified token log.
 
 Real files under tmp_path; the restored staging store is an in-memory stand-in with the
-StagingStore's synchronous get/put. The end-to-end figure (work lost with the journal on and
+StagingStore's synchronous get/put. The end-to-end figure (work lost with the token log on and
 off after a whole-job SIGKILL) is the recovery check's (docs/failover.md).
 """
 
@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from rollout_recovery.controller.journal_restore import extend_from_journal
+from rollout_recovery.controller.token_log_restore import extend_from_token_log
 from rollout_recovery.data_plane.digest import chain_digests
-from rollout_recovery.data_plane.journal_log import JournalLog
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
+from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.protocol import CallIdentity, Continuation, EpisodeRecord, TurnRef
 
 STAGING = "rollout_staging"
@@ -69,19 +69,19 @@ def _cut(rows: list[ChunkRow]) -> Continuation:
 def test_segments_round_trip_and_old_ones_are_deleted(tmp_path):
     ident = CallIdentity("r1", "c0", 0)
     rows = _chain(ident, [4, 4, 4])
-    log = JournalLog(str(tmp_path), "w0")
+    log = TokenLogSegments(str(tmp_path), "w0")
     first = log.append(chunk_rows_to_table(rows[:2]))
     log.append(chunk_rows_to_table(rows[2:]))
     other = CallIdentity("r2", "c0", 0)
-    JournalLog(str(tmp_path), "w1").append(chunk_rows_to_table(_chain(other, [3])))
-    found, unreadable = JournalLog.read(str(tmp_path), {ident})
+    TokenLogSegments(str(tmp_path), "w1").append(chunk_rows_to_table(_chain(other, [3])))
+    found, unreadable = TokenLogSegments.read(str(tmp_path), {ident})
     assert unreadable == 0 and set(found) == {ident}
     assert [found[ident][s].key for s in range(3)] == [r.key for r in rows]
     (tmp_path / "w0" / "99999999999999999999-000000.arrow").write_bytes(b"torn")
-    assert JournalLog.read(str(tmp_path), {ident})[1] == 1  # skipped, counted
+    assert TokenLogSegments.read(str(tmp_path), {ident})[1] == 1  # skipped, counted
     stamp = int(first.split("/")[1].split("-")[0])
-    assert JournalLog.gc(str(tmp_path), stamp + 1) == 1
-    assert first not in [r for _, r in JournalLog.segments(str(tmp_path))]
+    assert TokenLogSegments.gc(str(tmp_path), stamp + 1) == 1
+    assert first not in [r for _, r in TokenLogSegments.segments(str(tmp_path))]
 
 
 def test_a_cut_call_goes_on_from_its_longer_journal(tmp_path):
@@ -89,12 +89,12 @@ def test_a_cut_call_goes_on_from_its_longer_journal(tmp_path):
     rows = _chain(ident, [5, 3, 4])
     store = SyncStore()
     store.put(STAGING, chunk_rows_to_table(rows[:1]))  # what the snapshot holds: chunk 0
-    JournalLog(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
+    TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
     rec = _record("r1", _cut(rows[:1]), turns=1)
-    ext = extend_from_journal([rec], store, STAGING, str(tmp_path))
+    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path))
     assert rec.continuation == _cut(rows)
     assert ext.calls["r1"]["tokens"] == 12 and ext.calls["r1"]["snapshot_tokens"] == 5
-    assert ext.counts == {"journal_restore.extended_calls": 1, "journal_restore.tokens": 7}
+    assert ext.counts == {"token_log_restore.extended_calls": 1, "token_log_restore.tokens": 7}
     restored = table_to_chunk_rows(store.get(STAGING, rec.continuation.keys)[0])
     assert [r.digest for r in restored] == [r.digest for r in rows]
 
@@ -102,9 +102,9 @@ def test_a_cut_call_goes_on_from_its_longer_journal(tmp_path):
 def test_a_call_that_started_after_the_snapshot_goes_on_from_its_journal(tmp_path):
     ident = CallIdentity("r1", "c2", 0)  # the record committed two calls, none in flight
     rows = _chain(ident, [6])
-    JournalLog(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
+    TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
     rec = _record("r1", None, turns=2)
-    extend_from_journal([rec], SyncStore(), STAGING, str(tmp_path))
+    extend_from_token_log([rec], SyncStore(), STAGING, str(tmp_path))
     assert rec.continuation == _cut(rows)
 
 
@@ -114,35 +114,35 @@ def _flip(row: ChunkRow) -> ChunkRow:
 
 
 @pytest.mark.parametrize(
-    ("journaled", "reason"),
+    ("logged", "reason"),
     [
-        # The journal's chunk 0 is not the snapshot's.
-        (lambda rows, other: [other[0], *rows[1:]], "journal_differs"),
+        # The token log's chunk 0 is not the snapshot's.
+        (lambda rows, other: [other[0], *rows[1:]], "token_log_differs"),
         # A changed token: the chained digest breaks.
         (lambda rows, other: [rows[0], _flip(rows[1]), rows[2]], "digest_mismatch"),
     ],
 )
-def test_a_journal_in_doubt_leaves_the_snapshot_continuation(tmp_path, journaled, reason):
+def test_a_journal_in_doubt_leaves_the_snapshot_continuation(tmp_path, logged, reason):
     ident = CallIdentity("r1", "c0", 0)
     rows, other = _chain(ident, [5, 3, 4]), _chain(ident, [2, 3])
     store = SyncStore()
     store.put(STAGING, chunk_rows_to_table(rows[:1]))
-    JournalLog(str(tmp_path), "w0").append(chunk_rows_to_table(journaled(rows, other)))
+    TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(logged(rows, other)))
     rec = _record("r1", _cut(rows[:1]))
-    ext = extend_from_journal([rec], store, STAGING, str(tmp_path))
+    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path))
     assert rec.continuation == _cut(rows[:1]) and not ext.calls
-    assert ext.counts == {f"journal_restore.refused.{reason}": 1}
+    assert ext.counts == {f"token_log_restore.refused.{reason}": 1}
 
 
 def test_a_gap_ends_the_chain_and_a_shorter_journal_adds_nothing(tmp_path):
     ident = CallIdentity("r1", "c0", 0)
     rows = _chain(ident, [5, 3, 4])
-    JournalLog(str(tmp_path), "w0").append(chunk_rows_to_table([rows[0], rows[2]]))
+    TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table([rows[0], rows[2]]))
     rec = _record("r1", Continuation(call_id="c0", attempt=0))  # in flight, not cut
-    extend_from_journal([rec], SyncStore(), STAGING, str(tmp_path))
+    extend_from_token_log([rec], SyncStore(), STAGING, str(tmp_path))
     assert rec.continuation == _cut(rows[:1])  # chunk 2 cannot follow without chunk 1
     store = SyncStore()
     store.put(STAGING, chunk_rows_to_table(rows))
     cut = _record("r1", _cut(rows))
-    ext = extend_from_journal([cut], store, STAGING, str(tmp_path))
-    assert cut.continuation == _cut(rows) and ext.counts == {"journal_restore.not_newer": 1}
+    ext = extend_from_token_log([cut], store, STAGING, str(tmp_path))
+    assert cut.continuation == _cut(rows) and ext.counts == {"token_log_restore.not_newer": 1}

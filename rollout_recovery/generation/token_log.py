@@ -1,11 +1,11 @@
-"""Continuous token journaling: each in-flight call's new tokens become chained chunk rows
-every K tokens (`token_capture.journal_interval_tokens`) and/or every T seconds
-(`journal_interval_s`), so a worker that dies loses at most about one interval per call.
+"""Continuous token logging: each in-flight call's new tokens become chained chunk rows
+every K tokens (`token_capture.log_interval_tokens`) and/or every T seconds
+(`log_interval_s`), so a worker that dies loses at most about one interval per call.
 
-The rows are the same chain a checkpoint cut extends (`CutService.journal`): a cut then stages
-only what the journal has not, a resume validates journal rows exactly like cut rows, and a
+The rows are the same chain a checkpoint cut extends (`CutService.log_calls`): a cut then stages
+only what the token log has not, a resume validates token log rows exactly like cut rows, and a
 finished call's rows are deleted with its terminal row as before. Decoding never waits for the
-journal: the capture hook only nudges it (under the capture lock, no I/O), and the staging
+token log: the capture hook only nudges it (under the capture lock, no I/O), and the staging
 runs as a task on the worker's loop. No fence is involved: the rows only add to a call's chain.
 """
 
@@ -18,11 +18,11 @@ import time
 from rollout_recovery.generation.capture import CapturedCall
 from rollout_recovery.generation.cut import CutService
 
-LAG_SAMPLE_S = 0.1  # how often each in-flight call's journal lag is sampled
+LAG_SAMPLE_S = 0.1  # how often each in-flight call's token log lag is sampled
 
 
-class Journal:
-    """The journal task of one worker; off until an interval is configured."""
+class TokenLog:
+    """The token log task of one worker; off until an interval is configured."""
 
     def __init__(
         self,
@@ -47,7 +47,7 @@ class Journal:
         self._wake()
 
     def start(self) -> None:
-        """Start the journal task on the running loop (the worker's)."""
+        """Start the token log task on the running loop (the worker's)."""
         self._loop = asyncio.get_running_loop()
         self._task = self._loop.create_task(self._run())
 
@@ -96,12 +96,12 @@ class Journal:
                 async with asyncio.timeout(timeout):
                     await self._due.wait()
             self._due.clear()
-            if time.monotonic() >= next_sample:  # the lag, on a clock (also with the journal off)
-                self.service.sample_journal_lag()
+            if time.monotonic() >= next_sample:  # the lag, on a clock (also with the token log off)
+                self.service.sample_log_lag()
                 next_sample = time.monotonic() + LAG_SAMPLE_S
             if not self.enabled:
                 continue
             try:
-                await self.service.journal(self._is_due)
+                await self.service.log_calls(self._is_due)
             except Exception as err:  # a failed pass is counted; the next one tries again
-                self.service.metrics.tally[f"journal_failure.{type(err).__name__}"] += 1
+                self.service.metrics.tally[f"token_log_failure.{type(err).__name__}"] += 1

@@ -1,8 +1,8 @@
-"""The journal's durable copy: every chunk row a worker stages (journal and cut rows alike) is
+"""The token log's durable copy: every chunk row a worker stages (token log and cut rows alike) is
 also appended to checkpoint storage, so the rows outlive a whole-job crash, which loses the
 in-memory staging store (docs/failover.md, "Whole-job restore").
 
-Each append is one Arrow IPC file, `<journal root>/<writer>/<time_ns>-<n>.arrow`, written
+Each append is one Arrow IPC file, `<token log root>/<writer>/<time_ns>-<n>.arrow`, written
 atomically through `RunStorage` (temporary file, fsync, rename; one PUT on an object store):
 a crash leaves whole segments or none. A restore reads the segments for the calls it wants
 (`read`), and the controller deletes segments older than the retention window after each
@@ -32,8 +32,8 @@ def _ipc_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-class JournalLog:
-    """One writer's segments under a journal root (a local path or any pyarrow.fs URI)."""
+class TokenLogSegments:
+    """One writer's segments under a token log root (a local path or any pyarrow.fs URI)."""
 
     def __init__(self, uri: str, writer: str) -> None:
         self.storage, self.writer = RunStorage(uri), writer
@@ -60,13 +60,13 @@ class JournalLog:
     def read(
         uri: str, wanted: set[CallIdentity]
     ) -> tuple[dict[CallIdentity, dict[int, ChunkRow]], int]:
-        """The journaled rows of the `wanted` call attempts, by chunk seq, and the number of
+        """The logged rows of the `wanted` call attempts, by chunk seq, and the number of
         segments that could not be read. Two different rows for one key make that call's
         rows unusable (the key maps to None)."""
         storage = RunStorage(uri)
         found: dict[CallIdentity, dict[int, ChunkRow | None]] = defaultdict(dict)
         unreadable = 0
-        for _, rel in JournalLog.segments(uri):
+        for _, rel in TokenLogSegments.segments(uri):
             try:
                 table = pa.ipc.open_file(pa.py_buffer(storage.read_bytes(rel))).read_all()
                 rows = table_to_chunk_rows(table)
@@ -88,7 +88,7 @@ class JournalLog:
     def gc(uri: str, before_ns: int) -> int:
         """Delete segments written before `before_ns`; how many."""
         storage, n = RunStorage(uri), 0
-        for stamp, rel in JournalLog.segments(uri):
+        for stamp, rel in TokenLogSegments.segments(uri):
             if stamp < before_ns:
                 storage.delete_file(rel)
                 n += 1
