@@ -294,6 +294,14 @@ def _opt(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _episodes_text(snap) -> list[str]:
+    """`2 unfinished`, `1 partly done`, `3 steps journaled (chat=2 effect=1)` of a snapshot."""
+    steps = sum(snap.journaled.values())
+    kinds = " ".join(f"{k}={n}" for k, n in sorted(snap.journaled.items()))
+    return [f"{snap.episodes} unfinished", f"{snap.partly_done} partly done",
+            f"{steps} steps journaled" + (f" ({kinds})" if kinds else "")]  # fmt: skip
+
+
 def _cmd_snapshots_ls(args: argparse.Namespace) -> int:
     from rollout_recovery.controller.inspection import list_claims, list_snapshots
 
@@ -318,6 +326,14 @@ def _cmd_snapshots_ls(args: argparse.Namespace) -> int:
         print(line)
         if snap.problem:
             print(f"    {snap.problem}")
+    partly = [s for s in found if s.episodes]
+    if partly:
+        print("unfinished episodes (a restore answers their journaled steps from the journal, "
+              "then goes on):")  # fmt: skip
+        for line in _table([[s.name, *_episodes_text(s)] for s in partly], right=set()):
+            print(f"  {line}")
+    else:
+        print("unfinished episodes: none recorded")
     print(f"owner claims ({len(claims)}; the last one may publish):")
     for c in claims:
         print(f"  epoch {c.epoch}  slot {c.slot}  host {c.host}  pid {c.pid}  "
@@ -363,7 +379,8 @@ def _cmd_snapshots_show(args: argparse.Namespace) -> int:
     print(f"  model         {model.base.get('path')} (weights sha256 {base_sha})")
     print(f"  served        weight version {model.weight_version}, weights sha256 "
           f"{_opt(model.weights_sha256 and model.weights_sha256[:12])}")  # fmt: skip
-    print(f"  episodes      {led.episodes} unfinished, {led.turns} turns committed")
+    print(f"  episodes      {led.episodes} unfinished, {led.turns} turns committed, "
+          f"{led.journaled_steps} steps journaled")  # fmt: skip
     print(f"  continuations {len(led.continuations)}")
     for c in led.continuations:
         how = f"resumes from {c.tokens} tokens ({_opt(c.cut_kind)})" if c.cut else "decoded again"
@@ -402,8 +419,10 @@ def _add_snapshots_parser(sub: argparse._SubParsersAction) -> None:
         "ls",
         help="one line per snapshot directory, newest last (manifest and ledger only; fast)",
         description="List every snapshot directory, published or not, newest last: status, "
-        "step, reason, level, rows per partition, continuations, bytes. Reads manifests and "
-        "ledgers only, so a flipped byte in a data file shows up in `verify`, not here.",
+        "step, reason, level, rows per partition, continuations, bytes; then, per snapshot, "
+        "the unfinished episodes its ledger records, how many are partly done and how many "
+        "of their steps are journaled. Reads manifests and ledgers only, so a flipped byte in "
+        "a data file shows up in `verify`, not here.",
     )
     q.add_argument("target", metavar="TARGET", help=target)
     q.add_argument("--json", action="store_true", help="print JSON")
@@ -529,9 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Expected failures end in one line naming the cause and the fix: a configuration error
     or nothing to inspect exits 2; a refused restore, an existing run, a failed checkpoint
-    write or an unusable checkpoint location exit 1. Nothing is deleted on any of them."""
+    write, an unusable checkpoint location, a dead worker without failover or an error in the
+    user's own code exit 1. The last is followed by the user's own traceback frames (never
+    the project's, Ray's or the standard library's). Nothing is deleted on any of them."""
     from rollout_recovery.controller.inspection import InspectionError
-    from rollout_recovery.errors import RecoveryError
+    from rollout_recovery.errors import RecoveryError, unwrapped
     from rollout_recovery.storage import StorageError
     from rollout_recovery.training.checkpoint import TrainerCheckpointError
 
@@ -541,8 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InspectionError) as err:
         print(f"rollout-recovery: {err}", file=sys.stderr)
         return 2
-    except (RecoveryError, StorageError, TrainerCheckpointError) as err:
+    except (RecoveryError, StorageError, TrainerCheckpointError) as raised:
+        err = unwrapped(raised)  # raised in a Ray actor: Ray's wrapper prints its whole trace
         print(f"rollout-recovery: {' '.join(str(err).split())}", file=sys.stderr)
+        frames = getattr(err, "frames", "")
+        if frames:
+            print(textwrap.indent(frames, "  "), file=sys.stderr)
         return 1
     except BrokenPipeError:
         # Output piped into `head` and cut short: not an error (no traceback, as other tools).

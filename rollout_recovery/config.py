@@ -46,7 +46,16 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-from rollout_recovery.imports import ImportPathError, load_callable
+from rollout_recovery.imports import (
+    EPISODE,
+    REWARD,
+    TASKS,
+    ImportPathError,
+    Signature,
+    describe,
+    load_callable,
+    signature_mismatch,
+)
 
 TINY_MODEL_SCHEME = "tiny://"
 HUB_MODEL_SCHEME = "hf://"
@@ -442,21 +451,40 @@ def _import_path(value: str | None) -> str | None:
 ImportPath = Annotated[str, AfterValidator(_import_path)]
 
 
+def _check_signature(key: str, path: str | None, want: Signature) -> str | None:
+    """Refuse a function the project cannot call as `want`, when the config loads: one line
+    naming the key, the function, what it is and what it must be."""
+    if path:
+        fn = load_callable(path)  # imported already by the field's own validator
+        why = signature_mismatch(fn, want)
+        if why is not None:
+            raise ConfigError(
+                f"{key}={path} is `{describe(fn)}`: {why}; it must be `{want.text}` "
+                f"({want.called}); see docs/episodes.md"
+            )
+    return path
+
+
 class EnvironmentConfig(_Block):
     """The episodes the rollout environment runs (docs/episodes.md)."""
 
     episode: ImportPath = "rollout_recovery.episodes.tally:episode"
     """The episode function, `package.module:function`: `async def episode(ctx, task)`. Every model
     call, side effect and random draw goes through `ctx` so a restore can replay it. Imported when
-    the config loads and by the environment actor, so it must be importable in both."""
+    the config loads and by the environment actor, so it must be importable in both; at load it
+    must also be async and take two positional arguments."""
 
     reward: ImportPath | None = "rollout_recovery.episodes.tally:reward"
     """`package.module:function` scoring a finished episode, `reward(task, result) -> float`, where
-    `result` is what the episode function returned. Empty (null): the result is the reward."""
+    `result` is what the episode function returned. Empty (null): the result is the reward.
+    Checked at load: a plain (not async) function taking two positional arguments."""
 
     tasks: ImportPath = "rollout_recovery.episodes.tally:tasks"
     """`package.module:function` making the shipped GRPO driver's tasks, `tasks(n, seed) -> list`
-    of JSON objects; each reaches one GRPO group's episodes as `task`."""
+    of `n` JSON objects; each reaches one GRPO group's episodes as `task`. Called once per step
+    with `n = grpo.prompts_per_step` and `seed = grpo.seed * 1_000_003 + step`, so it must be a
+    pure function of both. Checked at load: a plain (not async) function taking two positional
+    arguments."""
 
     max_turns: Int = Field(1, ge=1, le=16)
     """Model calls per episode, as the episode function reads it (`ctx.max_turns`). The built-in
@@ -470,6 +498,21 @@ class EnvironmentConfig(_Block):
     settings: dict[str, Any] = {}
     """Free-form settings of the episode function, as `ctx.settings` (e.g. the shipped harness
     episode's `command`)."""
+
+    @field_validator("episode")
+    @classmethod
+    def _episode_signature(cls, value: str) -> str:
+        return _check_signature("environment.episode", value, EPISODE)
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_signature(cls, value: str | None) -> str | None:
+        return _check_signature("environment.reward", value, REWARD)
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks_signature(cls, value: str) -> str:
+        return _check_signature("environment.tasks", value, TASKS)
 
 
 class GatewayConfig(_Block):

@@ -343,7 +343,9 @@ class JournalStep(BaseModel):
     kind: Literal["chat", "effect", "random"]
     name: str  # chat: the model call id (c0, c1, ...); effect: its name; random: "random"
     request_sha256: str  # chat: messages + sampling fields; effect: name + arguments
-    result: Any = None  # chat: {"message", "response"?}; effect and random: the value returned
+    # chat: {"message", "response"?} (response: the worker's body as text; older records: the
+    # parsed object); effect and random: the value returned
+    result: Any = None
     turn: int | None = None  # chat: its index in the record's turns
 
 

@@ -77,6 +77,29 @@ class LoopThread:
         self._thread.join(timeout=timeout)
 
 
+def expected(err: BaseException) -> BaseException:
+    """The expected failure (`RecoveryError`, `OSError`) a Ray task raised, when `err` is Ray's
+    wrapper of one; else `err`. Raised as itself, its one-line message (and a `UserCodeError`'s
+    frames of the user's code, carried as text) reaches the user without Ray's trace."""
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(
+        err.cause, RecoveryError | OSError
+    ):
+        return err.cause
+    return err
+
+
+async def remote_result(ref: Any) -> Any:
+    """Await a Ray call's result as `ActorProxy` waits for one: an expected failure raised in
+    the actor is raised as itself."""
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as err:
+        cause = expected(err)
+        if cause is err:
+            raise
+        raise cause from None
+
+
 class ActorProxy:
     """A class hosted as a Ray actor and called like the in-process object: each method call
     waits for its result. An expected failure (`RecoveryError`, `OSError`) is raised as
@@ -94,8 +117,9 @@ class ActorProxy:
             try:
                 return ray.get(method.remote(*args, **kwargs))
             except ray.exceptions.RayTaskError as err:
-                if isinstance(err.cause, RecoveryError | OSError):
-                    raise err.cause from None
+                cause = expected(err)
+                if cause is not err:
+                    raise cause from None
                 raise
 
         return call

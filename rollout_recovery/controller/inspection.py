@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
@@ -87,6 +88,7 @@ class LedgerSummary(BaseModel):
     model: ServedModel
     episodes: int
     turns: int  # committed turns over all episode records
+    journaled_steps: int = 0  # journaled steps over all episode records (turns among them)
     continuations: list[ContinuationSummary]
 
 
@@ -104,6 +106,12 @@ class SnapshotSummary(BaseModel):
     level: str | None = None
     rows: dict[str, int] = {}  # partition -> rows
     continuations: int | None = None  # calls in flight with a continuation in the ledger
+    # Unfinished episodes the ledger records (a restore runs them again), how many of them are
+    # partly done (at least one step journaled) and their journaled steps, by kind (chat,
+    # effect, random): what a restore answers without decoding or running effects again.
+    episodes: int | None = None
+    partly_done: int | None = None
+    journaled: dict[str, int] = {}
     bytes: int  # every file in the directory, manifest and sidecars included
     epoch: int | None = None  # the owner epoch that published it (ownership log)
     slot: int | None = None  # the slot of its publish entry in the ownership log
@@ -348,6 +356,9 @@ def _read(
     if ledger is not None:
         summary.step, summary.reason, summary.level = ledger.step, ledger.reason, ledger.level
         summary.continuations = len(ledger.continuations)
+        summary.episodes = len(ledger.episodes)
+        summary.partly_done = sum(1 for e in ledger.episodes if e.journal)
+        summary.journaled = dict(Counter(s.kind for e in ledger.episodes for s in e.journal))
     return summary, manifest, ledger
 
 
@@ -374,6 +385,7 @@ def _ledger_summary(ledger: Ledger) -> LedgerSummary:
         model=ledger.model,
         episodes=len(ledger.episodes),
         turns=sum(len(e.turns) for e in ledger.episodes),
+        journaled_steps=sum(len(e.journal) for e in ledger.episodes),
         continuations=[
             ContinuationSummary(
                 rollout_id=rollout,

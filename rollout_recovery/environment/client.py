@@ -42,7 +42,7 @@ from rollout_recovery.protocol import (
     environment_of,
     rollout_id,
 )
-from rollout_recovery.runtime import actor_class
+from rollout_recovery.runtime import actor_class, remote_result
 
 
 class EnvironmentClient:
@@ -120,9 +120,11 @@ class EnvironmentClient:
     async def run_groups(
         self, groups: list[tuple[str, dict]], seeds: list[list[int]], weight_version: int
     ) -> list[EpisodeOutcome]:
+        # An episode's expected failure (a user code error, a dead worker) is raised as itself.
         if len(self.actors) == 1:
-            return await self.actor.run_groups.remote(groups, seeds, weight_version)
-        parts = await self._all(self._refs("run_groups", groups, seeds, weight_version))
+            return await remote_result(self.actor.run_groups.remote(groups, seeds, weight_version))
+        refs = self._refs("run_groups", groups, seeds, weight_version)
+        parts = await self._all([remote_result(ref) for ref in refs])
         # Each actor answered its own episodes in group order, then index order.
         answers = [iter(part) for part in parts]
         n = len(self.actors)

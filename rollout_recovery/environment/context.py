@@ -66,6 +66,7 @@ class ChatReply:
     source: str = "decoded"  # decoded | resumed | journal
     call_id: str = ""
     attempt: int = 0
+    response_text: str | None = None  # the response body as the worker returned it
 
 
 def request_digest(kind: str, name: str, payload: Any) -> str:
@@ -99,11 +100,15 @@ class ModelCalls(Protocol):
 
 
 def reply_of(entry: TokenEntry, result: dict, source: str) -> ChatReply:
-    """The reply a journaled call gives again."""
+    """The reply a journaled call gives again. Its recorded response is the worker's body as
+    text (a journal written before that kept the parsed object, with its keys sorted)."""
     message = result["message"]
+    recorded = result.get("response")
+    text = recorded if isinstance(recorded, str) else None
+    response = json.loads(text) if text is not None else recorded
     return ChatReply(message, message.get("content") or "", entry.finish_reason,
-                     list(entry.generated_token_ids), result.get("response"), source,
-                     entry.model_call_id, entry.attempt)  # fmt: skip
+                     list(entry.generated_token_ids), response, source, entry.model_call_id,
+                     entry.attempt, text)  # fmt: skip
 
 
 @dataclass
@@ -120,6 +125,9 @@ class EpisodeContext:
     api_key: str | None = None  # the gateway's token
     effect_id: str | None = None  # while an effect runs: its stable id
     diverged: JournalDiverged | None = None  # set once a step diverged from the journal
+    # The last step that raised into the function: ("chat", call id, None, error) or
+    # ("effect", name, fn, error); the runner names the effect function, or the worker, by it.
+    raised: tuple[str, str, Any, BaseException] | None = None
 
     @property
     def rollout_id(self) -> str:
@@ -194,10 +202,16 @@ class EpisodeContext:
             self.counts["journal.chat_replayed"] += 1
             self.counts["restored_turn_tokens"] += len(entry.generated_token_ids)
             return reply_of(entry, step.result, "journal")
-        reply, entry = await self.calls.call(st, _json_value(messages, "messages"), request)
+        sent = _json_value(messages, "messages")
+        try:
+            reply, entry = await self.calls.call(st, sent, request)
+        except Exception as err:
+            self.raised = ("chat", call_id, None, err)
+            raise
         result = {"message": reply.message}
-        if keep_response:
-            result["response"] = reply.response
+        if keep_response:  # the body as the worker returned it, so a replay answers the same
+            text = reply.response_text
+            result["response"] = text if text is not None else reply.response
         step = JournalStep(kind="chat", name=call_id, request_sha256=digest, result=result,
                            turn=len(st.turns))  # fmt: skip
         st.record_chat(step, entry)  # no await since the call returned: a turn boundary
@@ -218,9 +232,12 @@ class EpisodeContext:
             value = fn(*args)
             if inspect.isawaitable(value):
                 value = await value
+            value = _json_value(value, f"the result of effect {name!r}")
+        except Exception as err:
+            self.raised = ("effect", name, fn, err)
+            raise
         finally:
             self.effect_id = None
-        value = _json_value(value, f"the result of effect {name!r}")
         st.journal.append(JournalStep(kind="effect", name=name, request_sha256=digest,
                                       result=value))  # fmt: skip
         self.counts["effects.executed"] += 1

@@ -28,6 +28,7 @@ from rollout_recovery.environment.migration import token_log_continuation
 from rollout_recovery.environment.model_client import ModelCallClient, ModelCallFailed
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_entry import TokenEntry
+from rollout_recovery.errors import RecoveryError
 from rollout_recovery.generation.pool import WORKER_GONE, WorkerHandle, WorkerPool
 from rollout_recovery.protocol import XARG_SEED, XARG_TEMPERATURE, CallIdentity, Continuation
 
@@ -36,9 +37,9 @@ from rollout_recovery.protocol import XARG_SEED, XARG_TEMPERATURE, CallIdentity,
 OWN_FIELDS = ("model", "seed", "logprobs", "n", "messages")
 
 
-class EpisodeFailed(RuntimeError):
-    """The user's episode function raised (not a divergence), or its call could not move to a
-    live worker: the step fails, naming it."""
+class EpisodeFailed(RecoveryError):
+    """An episode's call could not move to a live worker (max_migrations, no_live_worker):
+    the step fails in one line, naming the call, the reason and the fix."""
 
 
 class WorkerLost(Exception):
@@ -95,7 +96,8 @@ class CallDispatcher:
                     raise EpisodeFailed(
                         f"{lost.call.key_prefix()}: max_migrations - its worker died "
                         f"{moves} times (failover.max_migrations="
-                        f"{self.cfg.failover.max_migrations})"
+                        f"{self.cfg.failover.max_migrations}); raise failover.max_migrations, "
+                        "or continue the run from its last snapshot with `train --restore`"
                     ) from lost
                 await self._migrate(st, lost)
 
@@ -136,6 +138,7 @@ class CallDispatcher:
                 temperature=0.0,  # sampling is the position-keyed sampler's
                 max_tokens=max_tokens,
                 vllm_xargs=xargs,
+                continues=tuple(st.turns),  # the episode's calls are one token sequence
                 **fields,
             )
         except (httpx.TransportError, ModelCallFailed) as err:
@@ -166,7 +169,7 @@ class CallDispatcher:
         source = "resumed" if resumed else "decoded"
         reply = ChatReply(message, message.get("content") or "", res.entry.finish_reason,
                           list(res.entry.generated_token_ids), res.response, source,
-                          call.model_call_id, st.attempt)  # fmt: skip
+                          call.model_call_id, st.attempt, res.response_text)  # fmt: skip
         return reply, res.entry
 
     def _client(self, w: WorkerHandle) -> ModelCallClient:
@@ -241,7 +244,9 @@ class CallDispatcher:
                 self.counts["migration_failed.no_live_worker"] += 1
                 raise EpisodeFailed(
                     f"{st.rollout_id}: no_live_worker - no worker came back within "
-                    f"failover.replacement_wait_s={self.cfg.failover.replacement_wait_s}"
+                    f"failover.replacement_wait_s={self.cfg.failover.replacement_wait_s}; "
+                    "raise it, or see why no replacement worker started (the run's log), then "
+                    "continue the run from its last snapshot with `train --restore`"
                 )
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):

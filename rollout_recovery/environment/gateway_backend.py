@@ -6,7 +6,10 @@ the parent's exact prefix, parking during checkpoints, cuts, and after a restore
 already made answered from the journal (with the response it got the first time) and the call
 in flight continued from its prefix. A rollout exists while its episode runs; calls to one
 that finished get 409, to one never seen 404. One rollout serves one call at a time, since
-its journal is one sequence.
+its journal is one sequence; a call that does not continue the rollout's previous call is
+refused at once (400, the rollout stays open), since its calls become one token sequence. A
+journaled call is answered with the worker's response body as the journal keeps it (text), so
+a replay answers byte for byte as the first time.
 
 A standalone gateway (`rollout-recovery gateway`) also opens and finishes rollouts from outside:
 `OutsideRollouts` runs each one's episode with a function that waits for the harness's result.
@@ -17,12 +20,15 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from rollout_recovery.data_plane import table_to_replay_rows
 from rollout_recovery.environment.context import EpisodeContext, JournalDiverged
 from rollout_recovery.environment.episode import EpisodeState
-from rollout_recovery.environment.model_client import ModelCallFailed
+from rollout_recovery.environment.model_client import CallNotContinued, ModelCallFailed
 from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.gateway.wire import (
     CallRefused,
@@ -124,7 +130,22 @@ class EpisodeGateway:
         self.outside: OutsideRollouts | None = None  # a standalone gateway's
 
     def rollouts(self) -> list[str]:
+        """The rollouts whose episode runs (calls are served)."""
         return sorted(self.runner.contexts)
+
+    async def listing(self) -> list[dict[str, Any]]:
+        """`GET /rollouts`: every open rollout with its state - `running` (its episode runs),
+        `restored` (a restore brought it back; it waits to be opened, or for its step), or
+        `started_over` (its replay diverged; opened again, it starts over)."""
+        return await self._on_loop(self._listing())
+
+    async def _listing(self) -> list[dict[str, Any]]:
+        runner, out = self.runner, []
+        for st in runner.episodes.values():
+            out.append(_listed(st, "running"))
+        for rid, st in runner.pending.items():
+            out.append(_listed(st, "started_over" if rid in runner.started_over else "restored"))
+        return sorted(out, key=lambda entry: entry["rollout_id"])
 
     async def _on_loop(self, coro) -> Any:
         """Run `coro` on the environment's loop (the server has its own) and await it here."""
@@ -162,6 +183,10 @@ class EpisodeGateway:
                 raise
             raise GatewayError(f"the worker refused the call: {err.text[:500]}",
                                reason="worker_rejected", status=400) from None  # fmt: skip
+        except CallNotContinued as err:  # nothing recorded: the rollout takes the call again
+            refused = GatewayError(str(err), reason=err.reason, status=400)
+            refused.param = "messages"
+            raise refused from None
         except JournalDiverged as err:
             if self.outside is not None and rollout_id in self.outside:  # opened again
                 await self.outside.abandon(rollout_id, err.reason)
@@ -178,10 +203,18 @@ class EpisodeGateway:
         if reply.response is None:
             raise CallRefused(f"{rollout_id}/{reply.call_id} has no recorded response",
                               reason="no_recorded_response")  # fmt: skip
-        response = _as_asked(reply.response, want_logprobs)
+        # From the body as the worker returned it (its keys in its order), the same way for a
+        # decoded call and its replay: the answer is the same bytes both times.
+        worker = json.loads(reply.response_text) if reply.response_text else reply.response
+        response = _as_asked(worker, want_logprobs)
         headers = {SOURCE_HEADER: reply.source, CALL_HEADER: reply.call_id,
                    ATTEMPT_HEADER: str(reply.attempt)}  # fmt: skip
         return GatewayReply(response, headers)
+
+
+def _listed(st: EpisodeState, state: str) -> dict[str, Any]:
+    return {"rollout_id": st.rollout_id, "state": state, "attempt": st.attempt,
+            "journaled_steps": len(st.replay)}  # fmt: skip
 
 
 def _as_asked(response: dict[str, Any], logprobs: bool) -> dict[str, Any]:
@@ -206,6 +239,7 @@ class StandaloneGateway(EpisodeGateway):
         super().__init__(runner, loop)
         self.weight_version = weight_version
         self.outside = OutsideRollouts(runner)
+        self._leases: dict[str, _Lease] = {}  # the leases this gateway gave, until they expire
 
     async def open_rollout(self, body) -> dict:
         seed = body.seed
@@ -236,16 +270,53 @@ class StandaloneGateway(EpisodeGateway):
 
     async def lease(self, body) -> dict:
         store = self.runner.store
+        # Taken before the store's own clock starts: this deadline is never after the store's.
+        deadline = time.monotonic() + body.ttl_s
         leased = await self._on_loop(store.alease("replay", "gateway", body.max_rows, body.ttl_s))
+        self._forget_expired()
+        self._leases[leased.lease_id] = _Lease(leased.rows.num_rows, deadline)
         rows = [_row_json(r) for r in table_to_replay_rows(leased.rows)]
         return {"lease_id": leased.lease_id, "rows": rows}
 
     async def ack(self, lease_id: str) -> dict:
+        """Consume a lease this gateway gave. One that expired (its rows are delivered again)
+        or never existed is 409 `unknown_lease`: the store's ack answers 0 for both, which
+        would read as success. A second ack of the same lease, before it would have expired,
+        answers 0 as before."""
+        self._forget_expired()
+        held = self._leases.get(lease_id)
+        if held is None:
+            raise _unknown_lease(lease_id, "no such lease: it expired (its rows are delivered "
+                                 "again) or never existed")  # fmt: skip
+        if held.acked:
+            return {"acked": 0}
         try:
-            return {"acked": await self._on_loop(self.runner.store.aack(lease_id))}
+            acked = await self._on_loop(self.runner.store.aack(lease_id))
         except Exception as err:  # an unknown or expired lease
-            raise GatewayError(f"cannot acknowledge lease {lease_id}: {err}",
-                               reason="unknown_lease", status=409) from None  # fmt: skip
+            raise _unknown_lease(lease_id, str(err)) from None
+        if acked == 0 and held.rows and time.monotonic() >= held.deadline:
+            del self._leases[lease_id]
+            raise _unknown_lease(lease_id, f"it expired (ttl_s passed): its {held.rows} rows "
+                                 "are delivered again")  # fmt: skip
+        held.acked = True
+        return {"acked": acked}
+
+    def _forget_expired(self) -> None:
+        now = time.monotonic()
+        for lease_id in [k for k, held in self._leases.items() if held.deadline <= now]:
+            del self._leases[lease_id]
+
+
+@dataclass
+class _Lease:
+    rows: int
+    deadline: float  # time.monotonic()
+    acked: bool = False
+
+
+def _unknown_lease(lease_id: str, why: str) -> GatewayError:
+    return GatewayError(f"cannot acknowledge lease {lease_id}: {why}", reason="unknown_lease",
+                        status=409)  # fmt: skip
 
 
 def _refusal(err: RolloutRefused) -> GatewayError:

@@ -8,6 +8,14 @@ records `prefix_requested` always and `prefix_supplied` only when the returned p
 with the requested prefix. A worker that ignored the prefix fails the call closed. The entry
 is durable in the sink before the call is recorded for lineage, so a child can only resolve to
 a parent whose tokens are saved.
+
+A call made as the next call of an episode (`continues`: the episode's earlier calls) must
+continue them, since an episode's calls become one token sequence (its training row): a call
+whose messages start another conversation or continue an earlier call than the latest is
+refused before dispatch, and one whose prompt tokens do not hold every earlier call's generated
+tokens where that sequence has them is refused once its tokens are known - before its entry is
+saved or recorded for lineage, so the episode can make the call again, corrected
+(`CallNotContinued`, counted as `not_continued.<reason>`).
 """
 
 from __future__ import annotations
@@ -16,8 +24,9 @@ import asyncio
 import copy
 import threading
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 
@@ -34,6 +43,15 @@ class PrefixNotSuppliedError(RuntimeError):
     """The worker did not build the prompt from the required prefix."""
 
 
+class CallNotContinued(RuntimeError):
+    """A call that does not continue its episode's previous call, so the episode's tokens could
+    not form one sequence; `reason` names how. Nothing of the call was recorded."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class ModelCallFailed(RuntimeError):
     """The worker answered a call with an HTTP error (`status`: 4xx refused the request)."""
 
@@ -48,6 +66,7 @@ class CallResult:
     response: dict
     assistant_message: dict
     resolution: Resolution
+    response_text: str | None = None  # the response body as the worker returned it
 
 
 class CaptureDiagnostics:
@@ -100,10 +119,17 @@ class ModelCallClient:
         model_call_id: str,
         messages: list[dict],
         attempt: int = 0,
+        *,
+        continues: Sequence[TokenEntry] = (),
         **request_fields: Any,
     ) -> CallResult:
+        """One call; `continues`: the calls of its episode it must continue, in order (none:
+        any conversation, e.g. a fork)."""
         resolution = self.lineage.resolve(rollout_id, messages)  # ValueError on bad messages
         self.diagnostics.add("calls.total", f"resolve.{resolution.reason or resolution.outcome}")
+        call = f"{rollout_id}/{model_call_id}"
+        if continues:
+            self._check_parent(call, resolution, continues[-1])
         request: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
@@ -134,6 +160,7 @@ class ModelCallClient:
         if resp.status_code != 200:
             self.diagnostics.add("capture.http_error")
             raise ModelCallFailed(resp.status_code, resp.text)
+        response_text = resp.text
         response = resp.json()
         try:
             bundle = await capture_tokens(self.client, self.base_url, request, response)
@@ -150,6 +177,8 @@ class ModelCallClient:
             )
         if supplied:
             self.diagnostics.add("supply.supplied")
+        if continues:
+            self._check_prompt(call, bundle.prompt_token_ids, resolution, prefix, continues)
         choice = response["choices"][0]
         entry = TokenEntry.build(
             rollout_id=rollout_id,
@@ -175,7 +204,78 @@ class ModelCallClient:
         }  # fmt: skip
         self.lineage.record(rollout_id, model_call_id, messages, assistant, entry.cumulative_ids())
         self._finish[(rollout_id, model_call_id)] = entry.finish_reason
-        return CallResult(entry, response, assistant, resolution)
+        return CallResult(entry, response, assistant, resolution, response_text)
+
+    def _refuse(self, reason: str, message: str) -> NoReturn:
+        self.diagnostics.add(f"not_continued.{reason}")
+        raise CallNotContinued(reason, message)
+
+    def _check_parent(self, call: str, resolution: Resolution, latest: TokenEntry) -> None:
+        """Before dispatch: a call that surely does not continue the latest call."""
+        last = latest.model_call_id
+        if resolution.outcome == ParentResolution.ROOT:
+            self._refuse("conversation_restarted",
+                         f"{call} has no assistant message, but its rollout already made calls up "
+                         f"to {last}: a rollout is one conversation, so each call sends the "
+                         f"previous call's messages with its answer appended ({last}'s); open "
+                         "another rollout for another conversation")  # fmt: skip
+        if resolution.outcome == ParentResolution.RESOLVED and resolution.parent_call_id != last:
+            self._refuse("earlier_call_continued",
+                         f"{call} continues {resolution.parent_call_id}, not its rollout's latest "
+                         f"call {last}: a rollout is one conversation, so each call sends the "
+                         f"previous call's messages with its answer appended ({last}'s); open "
+                         "another rollout for another branch")  # fmt: skip
+
+    def _check_prompt(
+        self,
+        call: str,
+        prompt: list[int],
+        resolution: Resolution,
+        prefix: list[int] | None,
+        continues: Sequence[TokenEntry],
+    ) -> None:
+        """Once the prompt's tokens are known: every earlier call's generated tokens must sit
+        where the episode's one sequence has them (what its training row needs)."""
+        for earlier in continues:
+            start, gen = len(earlier.prompt_token_ids), earlier.generated_token_ids
+            if prompt[start : start + len(gen)] != gen:
+                break
+        else:
+            return
+        latest = continues[-1]
+        last = latest.model_call_id
+        rerender = (
+            "with token_capture.supply_prefix_token_ids=false the worker renders the conversation "
+            "again, which need not reproduce the tokens the model generated"
+        )
+        if resolution.outcome != ParentResolution.RESOLVED:
+            reason = "assistant_turn_changed"
+            hint = (
+                f"its last assistant message is not the one {last} returned, or the messages "
+                "before it changed: send them back exactly as they were"
+            )
+            if self.supply_prefix:
+                hint += f" (then {last}'s exact tokens are supplied)"
+            else:
+                hint += f", and set token_capture.supply_prefix_token_ids=true ({rerender})"
+        else:
+            reason = "prompt_not_continued"
+            if not self.supply_prefix:
+                hint = f"{rerender}, and here it did not: set it to true"
+            elif prefix is None:
+                hint = (
+                    f"{last} stopped with finish_reason={latest.finish_reason!r} before the end "
+                    "of its turn, so its tokens cannot be continued exactly: finish the rollout "
+                    "here, or give its calls max_tokens enough to end their turn"
+                )
+            else:
+                hint = f"the worker did not continue {last}'s exact tokens"
+        self._refuse(
+            reason,
+            f"{call}: its prompt does not hold the tokens {earlier.model_call_id} generated, so "
+            f"its rollout's calls cannot form one token sequence; {hint}. Nothing of this call "
+            "was recorded: make it again, corrected",
+        )
 
     def adopt(self, entry: TokenEntry, messages: list[dict], assistant: dict) -> None:
         """Register a call restored from a checkpoint, so its child resolves to it (and gets

@@ -8,6 +8,7 @@ The runner is built from three parts with one job each:
       CallDispatcher       their model calls on the workers, and failover (dispatch.py)
         CallTable          one InflightCall per episode's call (inflight.py)
       EnvironmentCheckpoints  prepare, commit, sweep, load (checkpointing.py)
+      episode_failure      what a failed episode's error says (failures.py)
 
 A restored snapshot's episodes wait in `pending` until their step runs; each unfinished one
 runs again as attempt + 1, replaying its journal, its in-flight call resumed from its cut
@@ -34,8 +35,9 @@ from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import replay_rows_to_table, table_to_replay_rows
 from rollout_recovery.environment.checkpointing import EnvironmentCheckpoints
 from rollout_recovery.environment.context import EpisodeContext, JournalDiverged
-from rollout_recovery.environment.dispatch import CallDispatcher, EpisodeFailed
+from rollout_recovery.environment.dispatch import CallDispatcher
 from rollout_recovery.environment.episode import EpisodeState, replay_row
+from rollout_recovery.environment.failures import episode_failure, reward_of
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_sink import StoreTokenSink
 from rollout_recovery.generation.pool import WorkerPool
@@ -85,6 +87,7 @@ class EpisodeRunner:
                                                   count)  # fmt: skip
         self.episodes: dict[str, EpisodeState] = {}  # admitted and unfinished
         self.pending: dict[str, EpisodeState] = {}  # restored, waiting for their step to run
+        self.started_over: set[str] = set()  # of `pending`: fresh starts, nothing to replay
         self.contexts: dict[str, EpisodeContext] = {}  # the running attempt of each episode
         self.finished: set[str] = set()  # rollouts finished by this environment
         self.gateway_url: str | None = None  # set when the environment serves a gateway
@@ -120,13 +123,16 @@ class EpisodeRunner:
     def admit(
         self, rid: str, group_id: str, index: int, seed: int, task: dict
     ) -> tuple[EpisodeState, bool]:
-        """The episode `rid` to run now: the restored one when a restore brought it back,
-        else a new one; on a worker, and recorded by every checkpoint from now on."""
-        restored = self.pending.pop(rid, None)
-        st = restored or EpisodeState(rid, group_id, index, seed, dict(task))
+        """The episode `rid` to run now, and whether a restore brought it back: the waiting one
+        when there is one (restored, or started over: not restored), else a new one; on a
+        worker, and recorded by every checkpoint from now on."""
+        waiting = self.pending.pop(rid, None)
+        fresh = rid in self.started_over
+        self.started_over.discard(rid)
+        st = waiting or EpisodeState(rid, group_id, index, seed, dict(task))
         st.worker = self.dispatch.assign_worker()
         self.episodes[rid] = st
-        return st, restored is not None
+        return st, waiting is not None and not fresh
 
     async def start_over(self, rid: str, reason: str, task: asyncio.Future | None) -> None:
         """Episode `rid`, stopped from outside after its replay diverged (`reason`), runs
@@ -141,6 +147,7 @@ class EpisodeRunner:
             self.dispatch.lineage.forget(rid)
             self.calls.drop(rid)
             self.pending[rid] = st.fresh_start()
+            self.started_over.add(rid)
 
     async def _existing(self, key: str) -> EpisodeOutcome:
         table, _ = await self.store.aget("replay", [key])
@@ -168,10 +175,10 @@ class EpisodeRunner:
                 except Exception as err:
                     if ctx.diverged is not None:  # the function failed on a refused step
                         raise ctx.diverged from None
-                    raise EpisodeFailed(
-                        f"{st.rollout_id}: environment.episode={self.cfg.environment.episode} "
-                        f"raised {type(err).__name__}: {err}"
-                    ) from err
+                    failure = episode_failure(self.cfg, st, ctx, fn, fn is self.episode_fn, err)
+                    if failure is err:
+                        raise
+                    raise failure from err
                 if ctx.diverged is not None:
                     raise ctx.diverged
                 if len(st.journal) < len(st.replay):
@@ -200,8 +207,7 @@ class EpisodeRunner:
             self.counts["restored_episodes"] += 1
         try:
             st, result = await self._run_function(st, fn or self.episode_fn)
-            reward = self.reward_fn(st.task, result) if self.reward_fn else result
-            row = replay_row(st, float(reward), weight_version)
+            row = replay_row(st, reward_of(self.cfg, self.reward_fn, st, result), weight_version)
             # Durable as soon as it is finished: a crash later does not regenerate it.
             await self.store.aput("replay", replay_rows_to_table([row]))
             crash_point("replay_row_written")
@@ -233,6 +239,7 @@ class EpisodeRunner:
             self.calls.drop(rid)
         await self.checkpoints.load(restore_id, episodes)
         self.pending = {ep.rollout_id: ep for ep in episodes}
+        self.started_over.clear()
         self.restored_at = time.monotonic()
         return len(self.pending)
 

@@ -142,14 +142,21 @@ def create_app(
 
     @app.get("/rollouts", dependencies=auth)
     async def list_rollouts() -> Response:
+        """The open rollouts' ids; with a backend that lists them (`listing`), each one's
+        state under `details` too."""
+        listing = getattr(backend, "listing", None)
         try:
-            ids = list(backend.rollouts())
+            if listing is None:
+                out = {"rollouts": list(backend.rollouts())}
+            else:
+                details = list(await listing())
+                out = {"rollouts": [d["rollout_id"] for d in details], "details": details}
         except GatewayError as e:
             return _from_gateway_error(e)
         except Exception as e:
             log.exception("gateway backend failed to list rollouts")
             return error_response(502, "backend_error", f"backend failed: {e!r}")
-        return Response(dumps({"rollouts": ids}), media_type="application/json")
+        return Response(dumps(out), media_type="application/json")
 
     # `:path` so that an id with an encoded slash still reaches the id check (a 400 that says
     # why) instead of falling through the router as a bare 404.

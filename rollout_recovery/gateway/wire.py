@@ -71,6 +71,10 @@ class GatewayReply:
 
 
 class GatewayBackend(Protocol):
+    """What the app serves from. `rollouts()`: the rollouts whose calls are served (their
+    `/v1/models` answers). A backend may also have `async listing()`, every open rollout as
+    `{"rollout_id", "state", ...}` (`GET /rollouts` lists those, else `rollouts()`)."""
+
     async def chat(self, rollout_id: str, body: dict) -> GatewayReply: ...
 
     def rollouts(self) -> list[str]: ...

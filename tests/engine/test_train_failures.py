@@ -218,3 +218,42 @@ def test_a_damaged_newest_snapshot_is_skipped_on_the_terminal_and_in_the_step_lo
     assert f"Snapshot {newest} is unusable" in out and "falling back" in out
     event = json.loads((run_dir / "steps.jsonl").read_text().splitlines()[-1])
     assert event["event"] == "restore" and event["skipped"][0]["snapshot"] == str(newest)
+
+
+def test_a_dead_worker_with_failover_off_ends_the_run_in_one_line(tmp_path):
+    """The worker exits during a checkpoint's cut while its calls decode (failover off): the
+    call it dropped ends `train` in one line naming the worker, the call and the fix, not
+    with the `EpisodeFailed ... RemoteProtocolError` traceback it ended with before."""
+    crash = {"ROLLOUT_RECOVERY_CRASH_AT": "cut_rows_staged@1:exit"}  # the worker process only
+    proc, _ = _train(tmp_path / "run", "failover.enabled=false", "grpo.steps=1",
+                     "policy.generation.max_new_tokens=384", env=crash)  # fmt: skip
+    line = _one_line_refusal(proc, "worker 0 dropped model call s0000-p000-g",
+                             "failover.enabled=false", "Set failover.enabled=true",
+                             "`train --restore`")  # fmt: skip
+    assert "EpisodeFailed" not in proc.stderr and "RayTaskError" not in proc.stderr, line
+
+
+def test_an_error_in_the_users_effect_ends_the_run_naming_it_with_its_own_frames(tmp_path):
+    """Raised in the environment actor (its loop thread, then Ray), shown in the driver as one
+    line naming the effect function, the episode and the fix, and the user's frames only."""
+    proc, _ = _train(tmp_path / "run", "grpo.steps=1",
+                     "environment.episode=tests.engine.user_episodes:divides_by_zero",
+                     env={"PYTHONPATH": str(REPO)})  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    [at] = [i for i, ln in enumerate(lines) if ln.startswith("rollout-recovery: ")]
+    assert lines[at].startswith(
+        "rollout-recovery: effect 'divide' (tests.engine.user_episodes:divide) raised "
+        "ZeroDivisionError: division by zero in episode s0000-p000-g"
+    ), lines[at]
+    assert "of environment.episode=tests.engine.user_episodes:divides_by_zero" in lines[at]
+    assert "fix the effect function" in lines[at] and "`train --restore`" in lines[at]
+    shown = lines[at + 1 :]
+    assert shown[0] == "  your code (most recent call last):", proc.stderr[-3000:]
+    files = [ln.strip() for ln in shown if ln.lstrip().startswith('File "')]
+    assert [f.rsplit(" in ", 1)[1] for f in files] == ["divides_by_zero", "divide"], shown
+    assert all("tests/engine/user_episodes.py" in f for f in files), shown
+    assert shown[-1] == "  ZeroDivisionError: division by zero", shown
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for internal in ("runtime.py", "runner.py", "concurrent/futures", "RayTaskError"):
+        assert internal not in "\n".join(shown), shown

@@ -189,3 +189,73 @@ def test_gateway_refuses_a_location_holding_a_run_without_restore(tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "`gateway --restore`" in err
     assert [p.name for p in (tmp_path / "data_plane").iterdir()] == ["snapshot-0000000001-abcd"]
+
+
+def _published(root, ledger) -> str:
+    """A published snapshot holding no rows and `ledger`, written without a store (the
+    manifest, the ledger sidecar and the ownership log's publish entry)."""
+    import pyarrow.fs as pafs
+
+    from rollout_recovery.controller.selection import LEDGER
+    from rollout_recovery.data_plane.snapshot_io import (
+        ManifestBody,
+        new_snapshot_dir,
+        now_iso,
+        publish_manifest,
+        write_sidecar,
+    )
+
+    fs = pafs.LocalFileSystem()
+    seq, path = new_snapshot_dir(fs, str(root))
+    sidecar = write_sidecar(fs, path, LEDGER, ledger.to_json())
+    meta = {"trainer_step": str(ledger.step), "reason": ledger.reason}
+    body = ManifestBody(snapshot_id=path.rsplit("-", 1)[1], seq=seq, created_at=now_iso(),
+                        num_shards=1, partitions={"replay": "replay_row"}, files=[], leases=[],
+                        payload_bytes=0, sidecars=[sidecar], meta=meta)  # fmt: skip
+    publish_manifest(fs, path, body)
+    return path.rsplit("/", 1)[1]
+
+
+def test_snapshots_ls_shows_partly_done_episodes_and_their_journaled_steps(tmp_path, capsys):
+    """Per snapshot: the unfinished episodes its ledger records, how many are partly done
+    (a step journaled) and their journaled steps by kind: what a restore answers from the
+    journal instead of decoding or running effects again."""
+    from rollout_recovery.protocol import EpisodeRecord, JournalStep, Ledger, ServedModel, TurnRef
+
+    def step(kind: str, name: str, turn: int | None = None) -> JournalStep:
+        return JournalStep(kind=kind, name=name, request_sha256="00" * 32, result={}, turn=turn)
+
+    def episode(i: int, journal: list[JournalStep]) -> EpisodeRecord:
+        turns = [TurnRef(entry_id=f"s0001-p000-g{i}/{s.name}/a0", payload_sha256="ef" * 32)
+                 for s in journal if s.kind == "chat"]  # fmt: skip
+        return EpisodeRecord(rollout_id=f"s0001-p000-g{i}", group_id="s0001-p000",
+                             generation_index=i, seed=i, attempt=0, task={"messages": []},
+                             journal=journal, turns=turns)  # fmt: skip
+
+    model = ServedModel(base={"path": "tiny://default", "sha256": "ab" * 32}, weight_version=1,
+                        weights_sha256="cd" * 32)  # fmt: skip
+    root = tmp_path / "run" / "data_plane"
+    idle = _published(root, Ledger(step=1, weight_version=1, reason="trainer_checkpoint",
+                                   level="turn", model=model))  # fmt: skip
+    journal = [step("chat", "c0", 0), step("effect", "tally"), step("chat", "c1", 1)]
+    busy = _published(root, Ledger(step=1, weight_version=1, reason="cadence", level="turn",
+                                   model=model,
+                                   episodes=[episode(0, journal), episode(1, [])]))  # fmt: skip
+
+    assert main(["snapshots", "ls", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("unfinished episodes (a restore answers their journaled steps from the "
+                   "journal, then goes on):")  # fmt: skip
+    assert out[at + 1].split() == [busy, "2", "unfinished", "1", "partly", "done", "3", "steps",
+                                   "journaled", "(chat=2", "effect=1)"]  # fmt: skip
+    assert out[at + 2].startswith("owner claims")  # the snapshot without episodes: not listed
+    assert main(["snapshots", "ls", str(root), "--json"]) == 0
+    listed = {s["name"]: s for s in json.loads(capsys.readouterr().out)["snapshots"]}
+    assert (listed[idle]["episodes"], listed[idle]["partly_done"], listed[idle]["journaled"]) == (
+        0, 0, {})  # fmt: skip
+    assert (listed[busy]["episodes"], listed[busy]["partly_done"], listed[busy]["journaled"]) == (
+        2, 1, {"chat": 2, "effect": 1})  # fmt: skip
+    assert main(["snapshots", "show", str(root), busy]) == 0
+    assert "2 unfinished, 2 turns committed, 3 steps journaled" in capsys.readouterr().out
+    assert main(["snapshots", "ls", str(root / idle)]) == 0
+    assert "unfinished episodes: none recorded" in capsys.readouterr().out.splitlines()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -622,3 +623,137 @@ def test_views_check_block_rules_while_cross_block_rules_stay_on_the_job():
     env["environment"]["max_turns"] = 3
     assert EnvironmentActorConfig.from_dict(env).environment.max_turns == 3
     assert "environment.max_turns=3 needs" in _error("environment.max_turns=3")
+
+
+# --- the configured functions' signatures (issue 25, item 5) -----------------------------------
+
+
+async def episode_of_task(task):
+    """An episode function that forgot the context."""
+
+
+def sync_episode(ctx, task):
+    """An episode function that is not async."""
+
+
+def tasks_of_n(n):
+    """A task function that forgot the seed."""
+
+
+async def flexible_episode(ctx, task, *, extra=None):
+    """Extra parameters with defaults are fine."""
+
+
+def reward_of_anything(*args):
+    return 0.0
+
+
+def _decorated(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # a plain function returning the coroutine
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_decorated
+async def decorated_episode(ctx, task):
+    """An async episode behind a decorator that keeps `__wrapped__`."""
+
+
+class CallableEpisode:
+    async def __call__(self, ctx, task):
+        """An object whose __call__ is async."""
+
+
+callable_episode = CallableEpisode()
+partial_reward = functools.partial(lambda scale, task, result: scale * result, 2.0)
+
+TALLY = "rollout_recovery.episodes.tally"
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            f"environment.episode={TALLY}:tasks",
+            f"environment.episode={TALLY}:tasks is `def tasks(n, seed)`: it is not async; it "
+            "must be `async def episode(ctx, task)` (the environment awaits it with the "
+            "episode's context and its task)",
+        ),
+        (
+            f"environment.episode={__name__}:episode_of_task",
+            f"environment.episode={__name__}:episode_of_task is `async def episode_of_task(task)`"
+            ": it cannot take 2 positional arguments; it must be `async def episode(ctx, task)`",
+        ),
+        (
+            f"environment.episode={__name__}:sync_episode",
+            f"environment.episode={__name__}:sync_episode is `def sync_episode(ctx, task)`: it is "
+            "not async; it must be `async def episode(ctx, task)`",
+        ),
+        (
+            f"environment.reward={TALLY}:episode",
+            f"environment.reward={TALLY}:episode is `async def episode(ctx, task)`: it is async; "
+            "it must be `def reward(task, result) -> float` (a plain function, called with the "
+            "task and what the episode function returned)",
+        ),
+        (
+            f"environment.reward={TALLY}:digit_share",
+            f"environment.reward={TALLY}:digit_share is `def digit_share(text)`: it cannot take 2 "
+            "positional arguments; it must be `def reward(task, result) -> float`",
+        ),
+        (
+            f"environment.tasks={TALLY}:episode",
+            f"environment.tasks={TALLY}:episode is `async def episode(ctx, task)`: it is async; it "
+            "must be `def tasks(n, seed) -> list` (a plain function, called with the number of "
+            "tasks a step needs and the step's seed)",
+        ),
+        (
+            f"environment.tasks={__name__}:tasks_of_n",
+            f"environment.tasks={__name__}:tasks_of_n is `def tasks_of_n(n)`: it cannot take 2 "
+            "positional arguments; it must be `def tasks(n, seed) -> list`",
+        ),
+    ],
+)
+def test_a_function_of_the_wrong_shape_is_refused_at_load_in_one_line(override, expected):
+    """`environment.episode` taking only the task, or pointing at the tasks function (and
+    the like for reward and tasks), fails when the config loads, not inside the run."""
+    msg = _error(override)
+    assert msg.startswith(f"invalid config: {expected}"), msg
+    assert msg.endswith("see docs/episodes.md"), msg
+
+
+def test_a_function_of_the_wrong_shape_in_a_yaml_file_and_on_the_command_line(tmp_path, capsys):
+    from rollout_recovery.cli import main
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"environment": {"episode": f"{TALLY}:tasks"}}))
+    with pytest.raises(ConfigError, match=r"environment.episode=\S+:tasks is `def tasks"):
+        load_config(path, [])
+    assert main(["config", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it must be `async def episode(ctx, task)`" in err
+    cfg = _load()
+    with pytest.raises(ValueError, match="it must be `async def episode"):
+        cfg.environment.episode = f"{TALLY}:tasks"  # assignment is validated too
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        f"environment.episode={__name__}:flexible_episode",
+        f"environment.episode={__name__}:decorated_episode",
+        f"environment.episode={__name__}:callable_episode",
+        f"environment.reward={__name__}:reward_of_anything",
+        f"environment.reward={__name__}:partial_reward",
+        "environment.reward=null",
+        "environment.episode=rollout_recovery.episodes.harness:episode",
+        "environment.episode=rollout_recovery.episodes.notes:episode",
+        "environment.reward=rollout_recovery.episodes.notes:reward",
+        "environment.tasks=rollout_recovery.episodes.notes:tasks",
+    ],
+)
+def test_functions_that_can_be_called_as_the_project_calls_them_load(override):
+    """The shipped episodes, defaults, keyword-only extras, `*args`, partials, decorated
+    async functions and objects with an async `__call__` are all accepted."""
+    _load(override)
