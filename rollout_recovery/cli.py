@@ -388,17 +388,36 @@ def _cmd_snapshots_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_text(check) -> str:
+    said = {"ok": "ok", "not_checked": "not checked"}.get(check.status, check.code)
+    return f"{said}: {check.detail}"
+
+
 def _cmd_snapshots_verify(args: argparse.Namespace) -> int:
     from rollout_recovery.controller.inspection import verify_location
 
-    results = verify_location(args.target, args.name)
+    model = None
+    if args.config is not None or args.model is not None:  # validated as a run's config is
+        given = [f"policy.model_path={json.dumps(args.model)}"] if args.model else []
+        model = load_config(args.config, given).policy.model_path
+    results = verify_location(args.target, args.name, model)
     if args.json:
         print(json.dumps([r.model_dump(mode="json") for r in results], indent=1))
-    else:
-        width = max(len(r.name) for r in results)
-        for r in results:
-            verdict = "ok" if r.ok else f"DAMAGED: {_opt(r.file)}: {r.reason}"
-            print(f"{r.name:<{width}}  {verdict}")
+        return 0 if all(r.ok for r in results) else 1
+    width = max(len(r.name) for r in results)
+    for r in results:
+        if r.ok:
+            verdict = "ok"
+        elif r.ledger is None:  # its own files failed: nothing further was read
+            verdict = f"DAMAGED: {_opt(r.file)}: {r.reason}"
+        else:
+            verdict = f"NOT RESTORABLE: {r.reason}"
+        print(f"{r.name:<{width}}  {verdict}")
+        checks = [("ledger", r.ledger), ("trainer checkpoint", r.trainer_checkpoint),
+                  ("model", r.model)]  # fmt: skip
+        for label, check in checks:
+            if check is not None:
+                print(f"    {label:<18}  {_check_text(check)}")
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -409,7 +428,8 @@ def _add_snapshots_parser(sub: argparse._SubParsersAction) -> None:
         description="Look at snapshots before trusting them. TARGET is a run's checkpoint "
         "directory or URI (snapshots under its data_plane/), a snapshot root, or one "
         "snapshot directory. Nothing is written or deleted. Exit status: 0 fine, 1 a "
-        "snapshot is damaged (verify) or the storage failed, 2 nothing there.",
+        "snapshot is damaged or not restorable (verify) or the storage failed, 2 nothing "
+        "there.",
     )
     snap = p.add_subparsers(dest="snapshots_command", required=True, metavar="ACTION")
     target = "a run's checkpoint directory, a snapshot root, or a snapshot directory (path or URI)"
@@ -442,15 +462,33 @@ def _add_snapshots_parser(sub: argparse._SubParsersAction) -> None:
 
     q = snap.add_parser(
         "verify",
-        help="read every byte of every published snapshot against its sha256",
+        help="check that every published snapshot is restorable: every byte against its "
+        "sha256, its ledger, its trainer checkpoint, its model",
         description="Verify every published snapshot under TARGET (or NAME, or TARGET itself "
         "when it is one snapshot): the manifest, every sidecar and every data file, read in "
-        "full. One line per snapshot, `ok` or `DAMAGED: <file>: <reason>`; exit status 1 when "
-        "any is damaged. Nothing is modified or deleted.",
+        "full; then what a restore of it needs, with the restore's checks: a ledger this "
+        "version restores, the trainer checkpoint of its step (complete, its sha256, the "
+        "weights its calls were decoded with; when the run keeps trainer checkpoints) and its "
+        "model identity (well-formed; the same as --model, the model of --config, or else the "
+        "model the ledger names when it is on this machine). One line per snapshot, `ok`, "
+        "`DAMAGED: <file>: <reason>` or `NOT RESTORABLE: <check>`, then what each check "
+        "found; exit status 1 when any is not ok. Nothing is modified, deleted or built.",
     )
     q.add_argument("target", metavar="TARGET", help=target)
     q.add_argument("name", metavar="NAME", nargs="?", help=name)
     q.add_argument("--json", action="store_true", help="print JSON")
+    q.add_argument(
+        "--config",
+        metavar="FILE",
+        help="the run's YAML config: its policy.model_path is the model compared (as a "
+        "restore with it would)",
+    )
+    q.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="the model to compare instead (a policy.model_path: a local directory, "
+        "tiny://default or hf://<org>/<name>)",
+    )
     q.set_defaults(func=_cmd_snapshots_verify)
 
 

@@ -218,13 +218,21 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+def tiny_model_dir(
+    cache_dir: str | Path | None = None, spec: TinyModelSpec = TinyModelSpec()
+) -> Path:
+    """Where the tiny model is cached (built there once it holds `model.safetensors`)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / f"tiny-llama-{spec.digest()}"
+
+
 def ensure_tiny_model(
     cache_dir: str | Path | None = None, spec: TinyModelSpec = TinyModelSpec()
 ) -> Path:
     """Return the cached tiny model directory, building it once (safe across processes)."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = tiny_model_dir(cache_dir, spec)
+    root = target.parent
     root.mkdir(parents=True, exist_ok=True)
-    target = root / f"tiny-llama-{spec.digest()}"
     if (target / "model.safetensors").is_file():
         return target
     with open(root / ".tiny-model.lock", "w") as lock:

@@ -10,22 +10,30 @@ listing per snapshot directory plus its manifest and ledger, so it notices a tor
 file from sizes alone but not a flipped byte; `verify_location` reads every byte. The root's
 ownership log is read once per call: a snapshot is published when a publish entry there names
 it (its owner epoch and slot are shown), and `list_claims` lists the owner claims.
+
+`verify_location` also checks what a restore needs outside the snapshot, with the checks the
+restore makes, so `ok` means restorable: the ledger (a format this version restores), the
+trainer checkpoint it pairs with (`training/checkpoint.py:check_paired_checkpoint`, when the
+run keeps trainer checkpoints) and the model identity (well-formed, and the model the ledger
+names, or the one given, matched as `selection.check_model` does).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ValidationError
 
-from rollout_recovery.config import STORAGE_SCHEMES
-from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
+from rollout_recovery.config import HUB_MODEL_SCHEME, STORAGE_SCHEMES, TINY_MODEL_SCHEME
+from rollout_recovery.controller.selection import DATA_PLANE, LEDGER, check_model
 from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import SnapshotError
 from rollout_recovery.data_plane.filesystem import join, resolve
@@ -40,13 +48,18 @@ from rollout_recovery.data_plane.snapshot_io import (
     read_sidecar,
     verify_snapshot,
 )
-from rollout_recovery.errors import one_line
+from rollout_recovery.errors import RestoreError, one_line
+from rollout_recovery.model_identity import base_model_identity
 from rollout_recovery.protocol import LEDGER_FORMAT, Ledger, ServedModel
-from rollout_recovery.storage import StorageError
+from rollout_recovery.storage import RunStorage, StorageError
 
 Status = Literal["published", "unpublished", "damaged"]
 _SHA_PREFIX = 12  # hex digits of a sha256 shown by `show`: enough to compare by eye
 _HASH_CHUNK = 8 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# What the shipped driver leaves in a run directory (training/driver.py, training/checkpoint.py):
+# a run holding either pairs its snapshots with trainer checkpoints.
+_TRAINER_DIR, _STEPS_LOG = "trainer", "steps.jsonl"
 
 
 class InspectionError(ValueError):
@@ -139,11 +152,27 @@ class SnapshotDetail(SnapshotSummary):
     ledger: LedgerSummary | None = None
 
 
+class Check(BaseModel):
+    """Something a restore of a snapshot needs beyond its own files, as `verify` found it."""
+
+    status: Literal["ok", "failed", "not_checked"]
+    code: str | None = None  # when failed, e.g. trainer_checkpoint_missing
+    detail: str  # what was checked and found, or why it does not apply
+
+
 class VerifyResult(BaseModel):
+    """One published snapshot as `verify` found it. `ok`: restorable as far as files can tell:
+    every byte verifies, and its ledger, the trainer checkpoint it pairs with and its model
+    identity pass the checks a restore makes (one that does not apply is `not_checked`)."""
+
     name: str
     ok: bool
     file: str | None = None  # the first damaged file, relative to the snapshot directory
-    reason: str | None = None
+    reason: str | None = None  # the damaged file's problem, or the first failed check's code
+    # None when the snapshot's files do not verify (nothing further is read):
+    ledger: Check | None = None
+    trainer_checkpoint: Check | None = None
+    model: Check | None = None
 
 
 @dataclass
@@ -153,6 +182,7 @@ class _Location:
     local: bool
     scheme: str
     only: str | None  # the target was this one snapshot directory
+    run: str | None = None  # the run directory (path or URI) whose data_plane/ the root is
 
     def display(self, *parts: str) -> str:
         where = join(self.root, *parts) if parts else self.root
@@ -199,16 +229,33 @@ def _open(target: str, name: str | None = None) -> _Location:
             "or a snapshot directory"
         )
     parent, _, base = path.rpartition("/")
+    up = 1 if base == DATA_PLANE else None  # levels from the target up to the run directory
     if SNAPSHOT_DIR_RE.match(base):
         loc.root, loc.only = parent or "/", base
+        up = 2 if parent.rpartition("/")[2] == DATA_PLANE else None
     elif _info(fs, join(path, DATA_PLANE), loc.display()).type == pafs.FileType.Directory:
-        loc.root = join(path, DATA_PLANE)
+        loc.root, up = join(path, DATA_PLANE), 0
+    loc.run = None if up is None else _ancestor(target, up)
     if name is not None and loc.only is not None and name != loc.only:
         raise InspectionError(f"{loc.display(loc.only)} is one snapshot; it holds no {name}")
     if name is not None and not SNAPSHOT_DIR_RE.match(name):
         raise InspectionError(f"{name!r} is not a snapshot name (snapshot-<seq>-<id>)")
     loc.only = loc.only or name
     return loc
+
+
+def _ancestor(target: str, up: int) -> str:
+    """The directory `up` levels above a path or URI (a URI keeps its query options)."""
+    if "://" not in target:
+        path = os.path.abspath(os.path.expanduser(target))
+        for _ in range(up):
+            path = os.path.dirname(path)
+        return path
+    parts = urlsplit(target)
+    path = parts.path.rstrip("/")
+    for _ in range(up):
+        path = path.rpartition("/")[0]
+    return urlunsplit(parts._replace(path=path))
 
 
 def _seq(name: str) -> int:
@@ -465,10 +512,186 @@ def _first_damage(fs: pafs.FileSystem, snapshot_dir: str) -> tuple[str, str] | N
     return None
 
 
-def verify_location(target: str, name: str | None = None) -> list[VerifyResult]:
+def _identity_problem(model: ServedModel) -> str | None:
+    """Why the ledger's model identity is not one a restore can compare, or None."""
+    path, sha = model.base.get("path"), model.base.get("sha256")
+    if not isinstance(path, str) or not path:
+        return f"model.base.path is {path!r}: the ledger names no model"
+    for key, value in (("model.base.sha256", sha), ("model.weights_sha256", model.weights_sha256)):
+        if value is not None and not (isinstance(value, str) and _SHA256.fullmatch(value)):
+            return f"{key} is {str(value)[:40]!r}, not a sha256 (64 hex digits)"
+    return None
+
+
+def _sha_text(sha: str | None) -> str:
+    return "none" if sha is None else sha[:_SHA_PREFIX]
+
+
+def _ok(detail: str) -> Check:
+    return Check(status="ok", detail=detail)
+
+
+def _not_checked(detail: str) -> Check:
+    return Check(status="not_checked", detail=detail)
+
+
+def _failed(code: str, detail: str) -> Check:
+    return Check(status="failed", code=code, detail=detail)
+
+
+class _Restorable:
+    """Checks what restoring a snapshot needs outside its files, with the restore's own checks:
+    its ledger, the trainer checkpoint it pairs with and its model. What all the snapshots of a
+    location share (the run directory, each model's digest, each step's trainer checkpoint) is
+    found once."""
+
+    def __init__(self, loc: _Location, model: str | None) -> None:
+        self.loc, self.model = loc, model
+        self._run: tuple[RunStorage | None, str] | None = None
+        self._identities: dict[str, tuple[dict | None, str]] = {}
+        self._paired: dict[tuple[int, str | None], Check] = {}
+
+    def check(self, name: str, manifest: Manifest) -> VerifyResult:
+        ledger, problem = _ledger(self.loc, name, manifest)
+        if problem is not None:
+            failed = _failed("ledger_unrestorable", problem)
+            return VerifyResult(name=name, ok=False, reason=failed.code, ledger=failed)
+        if ledger is None:
+            bare = f"no {LEDGER}: a bare data-plane snapshot (StagingStore.restore loads it)"
+            none = _not_checked(f"no {LEDGER}, so nothing names one")
+            return VerifyResult(
+                name=name, ok=True, ledger=_not_checked(bare), trainer_checkpoint=none, model=none
+            )
+        checks = {
+            "ledger": _ok(
+                f"format {ledger.format}, step {ledger.step}, reason {ledger.reason}, "
+                f"level {ledger.level}"
+            ),
+            "trainer_checkpoint": self._trainer_checkpoint(ledger),
+            "model": self._model(name, ledger),
+        }
+        failed = [c.code for c in checks.values() if c.status == "failed"]
+        return VerifyResult(name=name, ok=not failed, reason=(failed or [None])[0], **checks)
+
+    def _run_storage(self) -> tuple[RunStorage | None, str]:
+        """The run directory when it keeps trainer checkpoints; else None and why not."""
+        if self._run is None:
+            self._run = self._find_run()
+        return self._run
+
+    def _find_run(self) -> tuple[RunStorage | None, str]:
+        if self.loc.run is None:
+            return None, (
+                f"{self.loc.display()} is not a run's {DATA_PLANE}/, so no trainer checkpoints "
+                "are known to pair with; give the run's checkpoint directory to check them"
+            )
+        storage = RunStorage(self.loc.run)
+        try:
+            keeps = storage.is_dir(_TRAINER_DIR) or storage.exists(_STEPS_LOG)
+        except OSError as err:
+            raise StorageError(f"cannot read {storage.display()}: {one_line(err)}") from None
+        if keeps:
+            return storage, ""
+        return None, (
+            f"the run keeps no trainer checkpoints (no {_TRAINER_DIR}/ or {_STEPS_LOG} in "
+            f"{storage.display()}): a standalone gateway's, or a trainer of your own whose "
+            "checkpoints are not paired here"
+        )
+
+    def _trainer_checkpoint(self, ledger: Ledger) -> Check:
+        if ledger.step == 0:
+            return _not_checked("step 0: the base weights; no trainer checkpoint pairs with it")
+        storage, why = self._run_storage()
+        if storage is None:
+            return _not_checked(why)
+        key = (ledger.step, ledger.model.weights_sha256)
+        if key not in self._paired:
+            self._paired[key] = self._check_paired(storage, *key)
+        return self._paired[key]
+
+    @staticmethod
+    def _check_paired(storage: RunStorage, step: int, weights_sha256: str | None) -> Check:
+        from rollout_recovery.training.checkpoint import (  # torch: only when one is checked
+            TrainerCheckpointError,
+            check_paired_checkpoint,
+            trainer_dir,
+        )
+
+        where = storage.display(trainer_dir(step))
+        try:
+            check_paired_checkpoint(storage, step, weights_sha256)
+        except TrainerCheckpointError as err:
+            return _failed(f"trainer_checkpoint_{err.kind}", one_line(err))
+        except OSError as err:
+            raise StorageError(f"cannot read {where}: {one_line(err)}") from None
+        return _ok(
+            f"{where}: complete, its state passes its sha256 check, it holds weights "
+            f"{_sha_text(weights_sha256)} as the ledger records"
+        )
+
+    def _model(self, name: str, ledger: Ledger) -> Check:
+        problem = _identity_problem(ledger.model)
+        if problem is not None:
+            return _failed("model_identity_malformed", problem)
+        path, sha = ledger.model.base["path"], ledger.model.base.get("sha256")
+        recorded = f"recorded {path} (weights sha256 {_sha_text(sha)})"
+        against = self.model if self.model is not None else path
+        identity, why = self._identity(against, given=self.model is not None)
+        if identity is None:
+            return _not_checked(f"{recorded}; {why}")
+        try:
+            check_model(self.loc.display(name), ledger, identity)
+        except RestoreError as err:
+            return _failed("model_differs", one_line(err))
+        how = "name" if identity["sha256"] is None or sha is None else "digest"
+        return _ok(f"{recorded}; {why} has the same {how}")
+
+    def _identity(self, model_path: str, given: bool) -> tuple[dict | None, str]:
+        """(the identity a restore with `model_path` computes, what it is) or (None, why it is
+        not compared). Nothing is built or downloaded: the tiny model only when cached here."""
+        if model_path not in self._identities:
+            self._identities[model_path] = self._find_identity(model_path, given)
+        return self._identities[model_path]
+
+    @staticmethod
+    def _find_identity(model_path: str, given: bool) -> tuple[dict | None, str]:
+        said = f"the given model {model_path}" if given else f"{model_path} here"
+        if model_path.startswith(HUB_MODEL_SCHEME):
+            if not given:
+                return None, (
+                    "a hub model, which a restore compares by name: give the run's --config or "
+                    "--model to compare it"
+                )
+            return {"path": model_path, "sha256": None}, said
+        if model_path.startswith(TINY_MODEL_SCHEME):
+            from rollout_recovery.tiny_model import tiny_model_dir
+
+            where = tiny_model_dir()
+            if not (where / "model.safetensors").is_file():
+                return None, (
+                    f"{model_path} is not built on this machine (at {where}; "
+                    "`rollout-recovery make-tiny-model` or any run builds it)"
+                )
+            local = str(where)
+        elif os.path.isdir(model_path):
+            local = model_path
+        else:
+            return None, f"{model_path} is not a directory on this machine"
+        try:
+            return base_model_identity(model_path, local), said
+        except OSError as err:
+            return None, f"{model_path} cannot be read: {one_line(err)}"
+
+
+def verify_location(
+    target: str, name: str | None = None, model: str | None = None
+) -> list[VerifyResult]:
     """Verify every published snapshot under the target (or the one named), reading every
     byte against its sha256 (`use_cache=False`: a success earlier in this process proves
-    nothing about the files now). Unpublished directories are not verified."""
+    nothing about the files now), then what a restore of it needs outside its files (see
+    `_Restorable`): `model` is a validated `policy.model_path` to compare the ledger's model
+    with (None: the model the ledger names, when it is on this machine). Unpublished
+    directories are not verified."""
     loc = _open(target, name)
     found = _listing(loc)
     publications = _ownership(loc).publications()
@@ -489,13 +712,13 @@ def verify_location(target: str, name: str | None = None) -> list[VerifyResult]:
             f"director{'y' if len(found) == 1 else 'ies'} without {MANIFEST_NAME})"
         )
     results = []
+    restorable = _Restorable(loc, model)
     for snap in published:
         path = join(loc.root, snap)
         try:
-            verify_snapshot(loc.fs, path, use_cache=False)
+            manifest = verify_snapshot(loc.fs, path, use_cache=False)
+            results.append(restorable.check(snap, manifest))
         except SnapshotError as err:
             file, reason = _first_damage(loc.fs, path) or (None, one_line(err))
             results.append(VerifyResult(name=snap, ok=False, file=file, reason=reason))
-            continue
-        results.append(VerifyResult(name=snap, ok=True))
     return results

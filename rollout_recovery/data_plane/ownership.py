@@ -271,12 +271,16 @@ def _ensure_dir(fs: pafs.FileSystem, root: str) -> None:
     filesystem.make_dirs(fs, log_dir(root).rstrip("/"))
 
 
-def claim(fs: pafs.FileSystem, root: str) -> Owner:
+def claim(fs: pafs.FileSystem, root: str, first: bool = False) -> Owner:
     """Become the owner of `root`: a claim entry with epoch 1 + the highest in the log, at the
-    next slot. Raises OwnershipConflict when another claim takes that slot first."""
+    next slot. Raises OwnershipConflict when another claim takes that slot first. `first` (a
+    fresh run): only as the log's first entry - a root another run owns, or is claiming at the
+    same moment, raises OwnershipConflict naming that run."""
     _ensure_dir(fs, root)
     info = OwnerInfo(host=socket.gethostname(), pid=os.getpid(), claimed_at=_now())
     log = read_log(fs, root)
+    if first:
+        return _first_claim(fs, root, log, info)
     while True:
         slot, epoch = log.last_slot + 1, log.max_epoch() + 1
         body = EntryBody(slot=slot, kind="claim", epoch=epoch, owner=info)
@@ -294,6 +298,18 @@ def claim(fs: pafs.FileSystem, root: str) -> Owner:
                 f"another controller claimed {root} at the same time: {other}; this "
                 "controller stops without publishing or deleting anything"
             )
+
+
+def _first_claim(fs: pafs.FileSystem, root: str, log: OwnershipLog, info: OwnerInfo) -> Owner:
+    """The first claim of an empty log, at slot 1, or OwnershipConflict naming who has it."""
+    if not log.entries and not log.unreadable:
+        body = EntryBody(slot=1, kind="claim", epoch=1, owner=info)
+        if create_only(fs, filesystem.join(log_dir(root), entry_name(1)), encode(body)):
+            return Owner.of(1, body)
+        log = read_log(fs, root)
+    owner = log.newest_claim()
+    who = owner.describe() if owner is not None else f"an entry of its log ({log_dir(root)})"
+    raise OwnershipConflict(f"{root} is owned by another run: {who}")
 
 
 def fenced_error(root: str, owner: Owner, why: str, doing: str) -> OwnerFenced:

@@ -6,7 +6,8 @@ checksum and format, every listed file's size and sha256, the chain's included).
 the newest k that verify and deletes only directories older than the oldest one kept, plus
 unpublished ones older than the newest one kept, never a directory holding a file that a kept
 snapshot lists; when none verifies it deletes nothing. It runs as an owner of the root (the
-ownership log, `ownership.py`): a fenced owner deletes nothing.
+ownership log, `ownership.py`): a fenced owner deletes nothing. It sees the root only: what a
+restore set aside (`controller/set_aside.py`, under the run's `set_aside/`) is never deleted.
 """
 
 from __future__ import annotations

@@ -675,7 +675,10 @@ class StagingStore:
         return gc(fs, root, keep_latest_k, owner)
 
     @staticmethod
-    def claim(root_uri: str, filesystem: pafs.FileSystem | None = None) -> Owner:
-        """Become the owner of the snapshot root (see data_plane.ownership.claim)."""
+    def claim(
+        root_uri: str, filesystem: pafs.FileSystem | None = None, first: bool = False
+    ) -> Owner:
+        """Become the owner of the snapshot root (see data_plane.ownership.claim; `first`: only
+        as its first owner, for a fresh run)."""
         fs, root = _resolve(root_uri, filesystem)
-        return claim(fs, root)
+        return claim(fs, root, first)

@@ -28,7 +28,14 @@ FORMAT = 2
 
 
 class TrainerCheckpointError(RuntimeError):
-    """A trainer checkpoint is missing, incomplete or altered; the message is one line."""
+    """A trainer checkpoint is missing, incomplete or altered; the message is one line.
+    `kind` says which: `missing` (no complete checkpoint of the step), `damaged` (unreadable,
+    another format, or its state missing or failing its sha256) or `differs` (other weights
+    than the snapshot paired with it was decoded with)."""
+
+    def __init__(self, message: str, kind: str = "damaged") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def trainer_dir(step: int) -> str:
@@ -100,7 +107,8 @@ def read_trainer_meta(storage: RunStorage, step: int) -> dict:
     except FileNotFoundError:
         raise TrainerCheckpointError(
             f"the trainer checkpoint of step {step} ({storage.display(where)}) is missing or "
-            "incomplete"
+            "incomplete",
+            kind="missing",
         ) from None
     except ValueError:
         raise TrainerCheckpointError(f"{storage.display(where)}/meta.json is unreadable") from None
@@ -126,6 +134,29 @@ def read_trainer_state(storage: RunStorage, step: int, meta: dict) -> bytes:
             f"{storage.display(where)}/state.safetensors fails its sha256 check (altered or torn)"
         )
     return state
+
+
+def check_paired_checkpoint(
+    storage: RunStorage, step: int, weights_sha256: str | None
+) -> tuple[dict, bytes] | None:
+    """The trainer checkpoint a snapshot taken at `step` pairs with, checked as a restore needs
+    it: complete (its meta), its state matching the meta's sha256, and its model digest equal
+    to the snapshot's `weights_sha256` (the weights its in-flight calls were decoded with).
+    (meta, verified state); None at step 0 (the base weights: no checkpoint pairs with it);
+    TrainerCheckpointError (with its `kind`) when it fails. `train --restore` and
+    `snapshots verify` both check with this."""
+    if step == 0:
+        return None
+    meta = read_trainer_meta(storage, step)
+    state = read_trainer_state(storage, step, meta)
+    if meta["weights_sha256"] != weights_sha256:
+        raise TrainerCheckpointError(
+            f"the trainer checkpoint of step {step} ({storage.display(trainer_dir(step))}) "
+            f"holds weights {str(meta['weights_sha256'])[:12]}, the snapshot's calls were "
+            f"decoded with {str(weights_sha256)[:12]}",
+            kind="differs",
+        )
+    return meta, state
 
 
 def load_trainer_checkpoint(

@@ -22,14 +22,18 @@ unfinished episodes that the first restored step would not run (other grpo setti
 refused too: they would wait for a step that never comes. Then the driver claims the
 run's snapshot root (data_plane/ownership.py: a new owner epoch, so an older controller still
 running can no longer publish or delete snapshots) and, if a snapshot was published between
-the choice and the claim, chooses again; the chosen snapshot is restored after the claim. A
-fresh run claims the root right after checking that the location holds no run.
+the choice and the claim, chooses again; the chosen snapshot is restored after the claim. Each
+newer snapshot the choice skipped is set aside under `<checkpoint_dir>/set_aside/`, with the
+old run's trainer checkpoints and batches of the steps after the restored one, before anything
+starts (controller/set_aside.py): the restored run's retention would delete them and its steps
+overwrite them. A fresh run claims the root right after checking that the location holds no run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -51,8 +55,17 @@ from rollout_recovery.controller.selection import (
     run_has_state,
     select_snapshot,
 )
+from rollout_recovery.controller.set_aside import (
+    RECORD,
+    SetAside,
+    restore_id,
+    set_aside_skipped,
+    snapshot_name,
+)
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import SnapshotError, StagingStore
+from rollout_recovery.data_plane.errors import OwnershipConflict
+from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.data_plane.schemas import list_rows
 from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.errors import (
@@ -71,10 +84,9 @@ from rollout_recovery.protocol import Ledger, group_id
 from rollout_recovery.storage import RunStorage, StorageError
 from rollout_recovery.training.checkpoint import (
     TrainerCheckpointError,
+    check_paired_checkpoint,
     load_trainer_checkpoint,
     read_step_record,
-    read_trainer_meta,
-    read_trainer_state,
     save_trainer_checkpoint,
     trainer_dir,
     trainer_steps,
@@ -188,6 +200,7 @@ class RestorePlan:
     step: int
     meta: dict | None  # the paired trainer checkpoint (None at step 0: the base weights)
     state: bytes | None
+    set_aside: SetAside | None = None  # where the skipped snapshots went (begin_restore)
 
 
 def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan | None:
@@ -198,21 +211,11 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
 
     def accept(uri: str, ledger: Ledger) -> dict:
         check_model(uri, ledger, identity)  # another model: refused outright
-        step = ledger.step
-        if step == 0:
-            return {}
         try:
-            meta = read_trainer_meta(storage, step)
-            state = read_trainer_state(storage, step, meta)
+            paired = check_paired_checkpoint(storage, ledger.step, ledger.model.weights_sha256)
         except TrainerCheckpointError as err:
             raise SnapshotUnusable(f"its trainer checkpoint: {err}") from None
-        want = ledger.model.weights_sha256
-        if meta["weights_sha256"] != want:
-            raise SnapshotUnusable(
-                f"the trainer checkpoint of step {step} holds weights {meta['weights_sha256'][:12]}"
-                f", the snapshot's calls were decoded with {str(want)[:12]}"
-            )
-        return {"meta": meta, "state": state}
+        return {} if paired is None else {"meta": paired[0], "state": paired[1]}
 
     rc = cfg.rollout_checkpointing
     root = storage.child_uri(DATA_PLANE)
@@ -295,14 +298,64 @@ def _complete_step_log(storage: RunStorage, step: int) -> bool:
 
 
 def _announce(storage: RunStorage, plan: RestorePlan) -> None:
-    """Say what the restore chose and skipped, on the terminal and in the step log."""
+    """Say what the restore chose and skipped, and where the skipped went, on the terminal and
+    in the step log."""
+    aside = plan.set_aside
+    went = aside.snapshots if aside is not None else {}
+    skipped = []
+
+    def shown(uri: str) -> str:  # as messages show a location: without credentials
+        return storage.display(f"{DATA_PLANE}/{snapshot_name(uri)}")
+
     for uri, reason in plan.choice.skipped:
-        print(f"Snapshot {uri} is unusable ({reason}); falling back to the previous one",
-              flush=True)  # fmt: skip
-    print(f"Selected rollout recovery snapshot: {plan.choice.snapshot}", flush=True)
+        line = f"Snapshot {shown(uri)} is unusable ({reason}); falling back to the previous one"
+        if uri in went:
+            line += f"; set aside to {went[uri]}"
+        print(line, flush=True)
+        skipped.append({"snapshot": uri, "reason": reason}
+                       | ({"set_aside": went[uri]} if uri in went else {}))  # fmt: skip
+    if aside is not None and aside.files:
+        steps = sorted({int(m.group(1)) for f in aside.files if (m := _STEP_RE.search(f))})
+        print(f"Also set aside to {aside.shown}: the old run's trainer checkpoints and batches "
+              f"of step{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}, which the restored "
+              f"run would overwrite ({RECORD} lists every file)", flush=True)  # fmt: skip
+    print(f"Selected rollout recovery snapshot: {shown(plan.choice.snapshot)}", flush=True)
     event = {"event": "restore", "snapshot": plan.choice.snapshot, "step": plan.step,
-             "skipped": [{"snapshot": u, "reason": r} for u, r in plan.choice.skipped]}  # fmt: skip
+             "skipped": skipped}  # fmt: skip
+    if aside is not None:
+        event["set_aside"] = {"where": aside.shown, "files": aside.files}
     storage.append_line(STEPS_LOG, json.dumps(event))
+
+
+_STEP_RE = re.compile(r"(?:^|/)step-(\d+)")  # trainer/step-NNNNNN/..., batches/step-NNNNNN.*
+
+
+def _after_step(storage: RunStorage, step: int) -> list[str]:
+    """The trainer checkpoints and batches of steps after `step`, relative to the location:
+    the restored run writes them again."""
+    found = [f"{d}/{n}" for d in ("trainer", "batches") for n in storage.list_dir(d)]
+    return [rel for rel in found if (m := _STEP_RE.search(rel)) and int(m.group(1)) > step]
+
+
+def begin_restore(
+    cfg: RolloutRecoveryConfig, storage: RunStorage
+) -> tuple[RestorePlan | None, Owner]:
+    """Choose what to restore (files only: a refusal changes nothing), claim the run's
+    snapshot root (an older controller can no longer publish or delete), choose again if a
+    snapshot was published meanwhile, and set aside each newer snapshot the choice skipped,
+    with the old run's trainer checkpoints and batches of the steps after the restored one
+    (controller/set_aside.py): the restored run would delete or overwrite them. A failed move
+    refuses the restore (RestoreError), deleting nothing."""
+    root = storage.child_uri(DATA_PLANE)
+    seen = _published(root)
+    plan = plan_restore(cfg, storage)  # files only: a refusal changes nothing
+    owner = StagingStore.claim(root)  # from here on an older controller cannot publish
+    if seen is None or _published(root) != seen:
+        plan = plan_restore(cfg, storage)  # its last publication landed meanwhile
+    if plan is not None and plan.choice.skipped:
+        also = _after_step(storage, plan.step)
+        plan.set_aside = set_aside_skipped(storage, plan.choice, also, restore_id(owner.epoch))
+    return plan, owner
 
 
 def _published(root: str) -> list[str] | None:
@@ -326,11 +379,7 @@ def train(
     plan = None
     root = storage.child_uri(DATA_PLANE)
     if restore:
-        seen = _published(root)
-        plan = plan_restore(cfg, storage)  # files only: a refusal changes nothing
-        owner = StagingStore.claim(root)  # from here on an older controller cannot publish
-        if seen is None or _published(root) != seen:
-            plan = plan_restore(cfg, storage)  # its last publication landed meanwhile
+        plan, owner = begin_restore(cfg, storage)
         if plan is None:
             print(f"Nothing to restore under {storage.display()}: starting from step 0", flush=True)
     else:
@@ -341,7 +390,14 @@ def train(
                 f"({', '.join(found)}); continue it with `train --restore`, or choose another "
                 "checkpointing.checkpoint_dir (nothing was deleted)"
             )
-        owner = StagingStore.claim(root)
+        try:  # only as the location's first owner: another run may own it or be starting
+            owner = StagingStore.claim(root, first=True)
+        except OwnershipConflict as err:
+            raise RunExistsError(
+                f"checkpointing.checkpoint_dir={storage.display()}: {err}; continue that run with "
+                "`train --restore` once it has stopped, or choose another "
+                "checkpointing.checkpoint_dir (nothing was deleted)"
+            ) from None
     weights_dir = storage.local_path("weights")
     scratch = None
     if weights_dir is None:  # the workers reload weights from a local directory

@@ -47,6 +47,18 @@ def _snap(store, root: str, step: int, reason: str, with_work: bool = False) -> 
     ).uri  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _no_cached_tiny_model(tmp_path, monkeypatch):
+    """MODEL's digest is made up: `verify` compares it with the tiny model only where that is
+    cached, so start without one (test_snapshot_verify.py covers the comparison)."""
+    monkeypatch.setenv("ROLLOUT_RECOVERY_CACHE", str(tmp_path / "cache"))
+
+
+def _verdicts(out: str) -> list[str]:
+    """`verify`'s line per snapshot, without the checks indented under it."""
+    return [line for line in out.splitlines() if not line.startswith(" ")]
+
+
 def _flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -145,15 +157,19 @@ def test_show_describes_files_sidecars_model_and_episodes(good_run, capsys):
 def test_verify_passes_good_snapshots_and_names_a_flipped_data_file(good_run, capsys):
     run, (first, second) = good_run
     assert main(["snapshots", "verify", str(run)]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out
+    lines = _verdicts(out)
     assert [ln.split() for ln in lines] == [[Path(first).name, "ok"], [Path(second).name, "ok"]]
+    # What a restore needs beyond the files: step 1 of a run without trainer checkpoints.
+    assert "    trainer checkpoint  not checked: the run keeps no trainer checkpoints" in out
+    assert "    model               not checked: recorded tiny://default" in out
 
     arrow = sorted(Path(first).rglob("*.arrow"))[0]
     _flip_byte(arrow)  # same size: only reading every byte finds it
     before = _tree(run)
     rel = str(arrow.relative_to(first))
     assert main(["snapshots", "verify", str(run)]) == 1
-    lines = capsys.readouterr().out.splitlines()
+    lines = _verdicts(capsys.readouterr().out)
     assert lines[0].split(None, 1) == [Path(first).name, f"DAMAGED: {rel}: fails its sha256 check"]
     assert lines[1].split() == [Path(second).name, "ok"]
     assert [r.ok for r in verify_location(first)] == [False]
@@ -181,7 +197,7 @@ def test_verify_a_torn_manifest_and_a_missing_file(good_run, capsys):
     (Path(second) / MANIFEST_NAME).write_text("{")
     next(Path(first).rglob("*.arrow")).unlink()
     assert main(["snapshots", "verify", str(run)]) == 1
-    lines = capsys.readouterr().out.splitlines()
+    lines = _verdicts(capsys.readouterr().out)
     assert "DAMAGED: shard-" in lines[0] and lines[0].endswith(": missing")
     assert f"DAMAGED: {MANIFEST_NAME}: " in lines[1]
 
@@ -236,7 +252,7 @@ def test_s3_ls_show_and_verify(make_store, s3_run, capsys):
     assert detail["location"] == f"s3://rr-inspect/runs/a/data_plane/{name}"
     assert detail["ledger"]["continuations"][0]["tokens"] == 3
     assert main(["snapshots", "verify", s3_run]) == 0
-    assert capsys.readouterr().out.split() == [name, "ok"]
+    assert _verdicts(capsys.readouterr().out) == [f"{name}  ok"]
 
     manifest = json.loads(fs.open_input_stream(f"rr-inspect/runs/a/data_plane/{name}/"
                                                f"{MANIFEST_NAME}").read())  # fmt: skip

@@ -122,6 +122,37 @@ def test_racing_claims_one_winner_per_slot(root_uri):
         assert "stops without publishing or deleting anything" in message
 
 
+def _first_claimer(root_uri: str, barrier, out) -> None:
+    fs, root = _fs(root_uri)
+    _slow_creates(0.02)
+    barrier.wait()
+    try:
+        owner = ownership.claim(fs, root, first=True)
+        out.put(("won", owner.slot, owner.epoch, ""))
+    except OwnershipConflict as err:
+        out.put(("refused", 0, 0, str(err)))
+
+
+def test_a_fresh_run_is_refused_a_root_another_run_owns_or_is_claiming(root_uri):
+    """Two fresh runs claim the same empty root at the same moment: one owns it, the other is
+    refused naming it. A fresh run after that (the first has written nothing else) is refused
+    too. A plain claim (a restore) would have taken the root over: that was the bug."""
+    barrier = mp.get_context("spawn").Barrier(2)
+    results = sorted(_run(_first_claimer, [(root_uri, barrier), (root_uri, barrier)]))
+    assert [r[:3] for r in results] == [("refused", 0, 0), ("won", 1, 1)]
+    log = ownership.read_log(*_fs(root_uri))
+    [(slot, body)] = log.claims()
+    winner = Owner.of(slot, body)
+    assert f"is owned by another run: {winner.describe()}" in results[0][3]
+    fs, root = _fs(root_uri)
+    with pytest.raises(
+        OwnershipConflict, match=f"owned by another run: epoch 1 .*pid {body.owner.pid}"
+    ):
+        ownership.claim(fs, root, first=True)
+    assert ownership.read_log(fs, root).claims() == [(slot, body)]  # nothing was written
+    assert ownership.claim(fs, root).epoch == 2  # without `first`, the root is taken over
+
+
 def _empty_snapshot(fs, root: str, gen: int, owner: Owner | None) -> tuple[str, str]:
     """Publish one small real snapshot (a sidecar only) as `owner`; (name, sidecar bytes)."""
     _, path = snapshot_io.new_snapshot_dir(fs, root)
