@@ -29,6 +29,7 @@ from rollout_recovery.environment.runner import EpisodeRunner
 from rollout_recovery.gateway import create_app
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import XARG_CALL, EpisodeRecord
+from tests.unit.test_capture_logic import MemoryStore
 
 ROLE = {"system": 1001, "user": 1002, "assistant": 1003, "tool": 1004, "developer": 1005}
 EOT = 2  # the end of a turn, and of a generation
@@ -117,11 +118,11 @@ class Sink:
         return self.entries.get(entry_id)
 
 
-class ReplayStore:
+class ReplayStore(MemoryStore):
     """The StagingStore's async API over a dict, with leases that expire as a shard's do."""
 
     def __init__(self) -> None:
-        self.rows: dict[tuple[str, str], pa.Table] = {}
+        super().__init__()
         self.leases: dict[str, tuple[list[str], float]] = {}
 
     def _expire(self) -> None:
@@ -131,19 +132,6 @@ class ReplayStore:
 
     async def alist(self, partition: str, prefix: str = "") -> list[str]:
         return sorted(k for p, k in self.rows if p == partition and k.startswith(prefix))
-
-    async def aput(self, partition: str, table: pa.Table) -> int:
-        for i, key in enumerate(table.column("key").to_pylist()):
-            self.rows[(partition, key)] = table.slice(i, 1)
-        return table.num_rows
-
-    async def aget(self, partition: str, keys):
-        found = [self.rows[(partition, k)] for k in keys if (partition, k) in self.rows]
-        missing = [k for k in keys if (partition, k) not in self.rows]
-        return (pa.concat_tables(found) if found else None), missing
-
-    async def adelete(self, partition: str, keys) -> int:
-        return sum(self.rows.pop((partition, k), None) is not None for k in keys)
 
     async def alease(self, partition: str, consumer: str, max_rows: int, ttl_s: float):
         self._expire()
