@@ -66,6 +66,7 @@ class EpisodeState:
     continuation: Continuation | None = None  # the call in flight at the checkpoint
     worker: int = 0  # the index of the worker its calls go to
     decoded: int = 0  # tokens the engines decoded for it in this run
+    started_over: bool = False  # waiting after its replay diverged: nothing to replay
 
     @property
     def next_call_id(self) -> str:
@@ -81,12 +82,13 @@ class EpisodeState:
             raise JournalDiverged("journal_turn", f"{step.name} names no committed call")
         return self.replay_turns[step.turn]
 
-    def fresh_start(self) -> EpisodeState:
+    def fresh_start(self, started_over: bool = False) -> EpisodeState:
         """The episode from the top with nothing kept, as the next attempt: what a record that
-        cannot be replayed exactly falls back to."""
+        cannot be replayed exactly falls back to (`started_over`: one stopped from outside,
+        waiting to be opened again)."""
         return EpisodeState(self.rollout_id, self.group_id, self.generation_index, self.seed,
-                            self.task, self.attempt + 1, self.restarts + 1,
-                            worker=self.worker)  # fmt: skip
+                            self.task, self.attempt + 1, self.restarts + 1, worker=self.worker,
+                            started_over=started_over)  # fmt: skip
 
     def to_record(self, continuation: Continuation | None) -> EpisodeRecord:
         """The episode as it is now: its completed steps (copied: the episode goes on while

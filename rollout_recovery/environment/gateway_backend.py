@@ -143,8 +143,8 @@ class EpisodeGateway:
         runner, out = self.runner, []
         for st in runner.episodes.values():
             out.append(_listed(st, "running"))
-        for rid, st in runner.pending.items():
-            out.append(_listed(st, "started_over" if rid in runner.started_over else "restored"))
+        for st in runner.pending.values():
+            out.append(_listed(st, "started_over" if st.started_over else "restored"))
         return sorted(out, key=lambda entry: entry["rollout_id"])
 
     async def _on_loop(self, coro) -> Any:

@@ -87,7 +87,6 @@ class EpisodeRunner:
                                                   count)  # fmt: skip
         self.episodes: dict[str, EpisodeState] = {}  # admitted and unfinished
         self.pending: dict[str, EpisodeState] = {}  # restored, waiting for their step to run
-        self.started_over: set[str] = set()  # of `pending`: fresh starts, nothing to replay
         self.contexts: dict[str, EpisodeContext] = {}  # the running attempt of each episode
         self.finished: set[str] = set()  # rollouts finished by this environment
         self.gateway_url: str | None = None  # set when the environment serves a gateway
@@ -127,12 +126,10 @@ class EpisodeRunner:
         when there is one (restored, or started over: not restored), else a new one; on a
         worker, and recorded by every checkpoint from now on."""
         waiting = self.pending.pop(rid, None)
-        fresh = rid in self.started_over
-        self.started_over.discard(rid)
         st = waiting or EpisodeState(rid, group_id, index, seed, dict(task))
         st.worker = self.dispatch.assign_worker()
         self.episodes[rid] = st
-        return st, waiting is not None and not fresh
+        return st, waiting is not None and not waiting.started_over
 
     async def start_over(self, rid: str, reason: str, task: asyncio.Future | None) -> None:
         """Episode `rid`, stopped from outside after its replay diverged (`reason`), runs
@@ -146,8 +143,7 @@ class EpisodeRunner:
             self.counts[f"replay_diverged.{reason}"] += 1
             self.dispatch.lineage.forget(rid)
             self.calls.drop(rid)
-            self.pending[rid] = st.fresh_start()
-            self.started_over.add(rid)
+            self.pending[rid] = st.fresh_start(started_over=True)
 
     async def _existing(self, key: str) -> EpisodeOutcome:
         table, _ = await self.store.aget("replay", [key])
@@ -239,7 +235,6 @@ class EpisodeRunner:
             self.calls.drop(rid)
         await self.checkpoints.load(restore_id, episodes)
         self.pending = {ep.rollout_id: ep for ep in episodes}
-        self.started_over.clear()
         self.restored_at = time.monotonic()
         return len(self.pending)
 
