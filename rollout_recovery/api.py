@@ -171,13 +171,14 @@ class RolloutRecovery:
         then one last checkpoint keeps every open rollout. Its metrics, None if it failed."""
         return serve_gateway(self, stop, token)
 
-    def notify_trainer_checkpoint(self, step: int) -> dict:
-        """After a trainer checkpoint: snapshot the data plane (so a restore never pairs
-        rollouts with weights no checkpoint holds). A failed attempt counts like any other
-        (returns `failed`); too many in a row raise."""
+    def notify_trainer_checkpoint(self, step: int, digest: str | None = None) -> dict:
+        """After a trainer checkpoint of `step` (`digest`: its digest, recorded in this and
+        every later snapshot's ledger until the next, so a restore pairs only that checkpoint
+        with them): snapshot the data plane. A failed attempt counts like any other (returns
+        `failed`); too many in a row raise. TrainingRun.save_checkpoint calls this."""
+        self.state.step, self.state.trainer_checkpoint = step, digest
         if not self.cfg.checkpointing.save_data_plane:
             return {"snapshot_s": 0.0}
-        self.state.step = step
         metrics = self._loop.run(self.coordinator.counted("trainer_checkpoint"))
         if metrics is None:
             return {"snapshot_s": None, "failed": self.coordinator.failures_in_a_row}

@@ -592,7 +592,6 @@ def main(argv: list[str] | None = None) -> int:
     from rollout_recovery.controller.inspection import InspectionError
     from rollout_recovery.errors import RecoveryError, unwrapped
     from rollout_recovery.storage import StorageError
-    from rollout_recovery.training.checkpoint import TrainerCheckpointError
 
     args = build_parser().parse_args(argv)
     try:
@@ -600,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InspectionError) as err:
         print(f"rollout-recovery: {err}", file=sys.stderr)
         return 2
-    except (RecoveryError, StorageError, TrainerCheckpointError) as raised:
+    except (RecoveryError, StorageError) as raised:
         err = unwrapped(raised)  # raised in a Ray actor: Ray's wrapper prints its whole trace
         print(f"rollout-recovery: {' '.join(str(err).split())}", file=sys.stderr)
         frames = getattr(err, "frames", "")

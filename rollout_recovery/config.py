@@ -46,6 +46,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from rollout_recovery.data_plane.ownership import Fence
 from rollout_recovery.imports import (
     EPISODE,
     REWARD,
@@ -292,6 +293,10 @@ class TokenCaptureConfig(_Block):
     log_uri: str | None = None
     """Where the workers append token log segments. Leave it unset: the controller sets it to
     `<checkpointing.checkpoint_dir>/token_log` when `log_storage` is on."""
+
+    log_fence: Fence | None = None
+    """The run owner's claim, checked before each token log segment is written (a stale
+    owner's workers write none). Leave it unset: the controller sets it with `log_uri`."""
 
     request_token_ids: bool = True
     """Ask the workers for prompt and generated token ids (`return_token_ids`). The environment

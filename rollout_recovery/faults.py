@@ -13,7 +13,11 @@ through their Ray runtime environment. Nothing sets it outside tests.
   effect id is already logged, so a re-executed effect is applied twice;
 - `token_log_rows_corrupted`: each token log row is staged with its first token changed after its
   digest was sealed (a store that flipped a value): a call moved off a dead worker must refuse
-  the chain and be decoded from scratch.
+  the chain and be decoded from scratch;
+- `fencing_disabled`: writes under the run's location no longer check the ownership log first
+  (snapshot publication still does), so a stale owner writes over the newer owner's files;
+- `pairing_disabled`: a restore takes the trainer checkpoint of the snapshot's step without
+  comparing its digest with the one the snapshot's ledger recorded.
 
 `ROLLOUT_RECOVERY_FAULTFS=<state dir>` puts every local path the run resolves (snapshots,
 trainer checkpoints, logs) behind a fault-injecting filesystem sharing that state directory,
@@ -41,6 +45,8 @@ FAULTS = (
     "redecode_committed_turns",
     "effect_dedupe_disabled",
     "token_log_rows_corrupted",
+    "fencing_disabled",
+    "pairing_disabled",
 )
 
 

@@ -438,6 +438,9 @@ class Ledger(BaseModel):
     reason: str  # cadence or trainer_checkpoint
     level: Literal["none", "turn", "prefix"]
     model: ServedModel
+    # The digest of the trainer checkpoint of `step` its rollouts continue from (None: none
+    # was saved through the run, e.g. at step 0); a restore pairs only that one with it.
+    trainer_checkpoint: str | None = None
     episodes: list[EpisodeRecord] = []
     continuations: dict[str, Continuation] = {}
 

@@ -13,11 +13,16 @@ on object stores a single PUT is atomic. Logs are appended on a disk (fsynced pe
 object stores have no append, so a log there is rewritten whole (logs are small). A crash
 mid-write can leave a temporary file (`*.tmp-*`): `leftover_temporaries` finds them and the
 restore deletes them. An I/O failure raises `StorageError` naming the location and the cause.
+
+A storage opened with the run owner's `Fence` checks the run's ownership log before every
+write and delete (data_plane/ownership.py, docs/ownership.md): once a newer owner claimed the
+run, the next one raises OwnerFenced naming it, and nothing more is written.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import uuid
 from pathlib import Path
 
@@ -32,6 +37,7 @@ from rollout_recovery.data_plane.filesystem import (
     sync_dir,
     sync_file,
 )
+from rollout_recovery.data_plane.ownership import Fence, OwnershipWatch
 
 TMP_MARK = ".tmp-"  # in the name of a file being written, before it is moved into place
 
@@ -41,11 +47,24 @@ class StorageError(OSError):
 
 
 class RunStorage:
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, fence: Fence | None = None) -> None:
         self.uri = uri
         self.fs, self.root = resolve(uri)
         self.object_store = is_object_store(self.fs)
         self.local = not self.object_store and "://" not in uri
+        self.fence = fence
+        self._watch = OwnershipWatch(fence) if fence is not None else None
+
+    def fenced(self, fence: Fence) -> RunStorage:
+        """The same location (and filesystem), every write checked against `fence` first."""
+        other = copy.copy(self)
+        other.fence, other._watch = fence, OwnershipWatch(fence)
+        return other
+
+    def check_owner(self, doing: str) -> None:
+        """OwnerFenced when the fence's owner no longer owns the run (nothing without one)."""
+        if self._watch is not None:
+            self._watch.check(doing)
 
     def __repr__(self) -> str:
         return f"RunStorage({self.display()})"
@@ -113,6 +132,7 @@ class RunStorage:
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Replace `rel` with `data` atomically and durably (a reader, also after a power
         loss, sees the old or the new file)."""
+        self.check_owner(f"writing {self.display(rel)}")
         target = self.path(rel)
         parent = target.rsplit("/", 1)[0]
         try:
@@ -138,6 +158,7 @@ class RunStorage:
     def append_line(self, rel: str, line: str) -> None:
         """Append one line to a log, durably."""
         data = (line.rstrip("\n") + "\n").encode()
+        self.check_owner(f"appending to {self.display(rel)}")
         if self.object_store:
             old = self.read_bytes(rel) if self.exists(rel) else b""
             self.write_bytes(rel, old + data)
@@ -162,12 +183,14 @@ class RunStorage:
 
     def delete_file(self, rel: str) -> None:
         """Delete `rel` (if it exists), durably."""
+        self.check_owner(f"deleting {self.display(rel)}")
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_file(self.path(rel))
             self._sync_parent(rel)
 
     def delete_dir(self, rel: str) -> None:
         """Delete the directory `rel` and everything under it (if it exists), durably."""
+        self.check_owner(f"deleting {self.display(rel)}")
         with contextlib.suppress(FileNotFoundError):
             self.fs.delete_dir(self.path(rel))
             self._sync_parent(rel)

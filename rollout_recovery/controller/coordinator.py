@@ -61,6 +61,7 @@ class RunState:
     step: int = 0  # the trainer step whose rollouts are being generated
     weight_version: int = 0
     weights_sha256: str | None = None  # None: the base model's weights are served
+    trainer_checkpoint: str | None = None  # the digest of the trainer checkpoint of `step`
 
     def served_model(self) -> ServedModel:
         return ServedModel(base=self.model, weight_version=self.weight_version,
@@ -164,8 +165,9 @@ class CheckpointCoordinator:
             metrics = await self.attempt(reason)
         except OwnerFenced as err:  # a newer controller owns the run: stop now, not retried
             log.error("%s", one_line(err))
-            self._log({"checkpoint": None, "reason": reason, "step": self.state.step,
-                       "fenced": one_line(err)})  # fmt: skip
+            with contextlib.suppress(OwnerFenced):  # the log is the newer owner's now
+                self._log({"checkpoint": None, "reason": reason, "step": self.state.step,
+                           "fenced": one_line(err)})  # fmt: skip
             raise
         except Exception as err:
             self.failures_in_a_row += 1
@@ -192,6 +194,7 @@ class CheckpointCoordinator:
             reason=reason,
             level=self.cfg.rollout_recovery.target_level,
             model=self.state.served_model(),
+            trainer_checkpoint=self.state.trainer_checkpoint,
             episodes=records.episodes,
             continuations=records.continuations,
         )
@@ -202,6 +205,8 @@ class CheckpointCoordinator:
             return await self._attempt(reason)
 
     async def _attempt(self, reason: str) -> dict:
+        # A stale owner writes no snapshot files at all, not only no publication.
+        self.storage.check_owner("taking a snapshot")
         t0 = time.monotonic()
         epoch = next(self.epochs)
         timeout = self.cfg.rollout_checkpointing.attempt_timeout_s

@@ -13,7 +13,8 @@ it (its owner epoch and slot are shown), and `list_claims` lists the owner claim
 
 `verify_location` also checks what a restore needs outside the snapshot, with the checks the
 restore makes, so `ok` means restorable: the ledger (a format this version restores), the
-trainer checkpoint it pairs with (`training/checkpoint.py:check_paired_checkpoint`, when the
+trainer checkpoint it pairs with (`trainer_checkpoints.check_paired`, by the digest the ledger
+records, when the
 run keeps trainer checkpoints) and the model identity (well-formed, and the model the ledger
 names, or the one given, matched as `selection.check_model` does).
 """
@@ -33,6 +34,7 @@ import pyarrow.fs as pafs
 from pydantic import BaseModel, ValidationError
 
 from rollout_recovery.config import HUB_MODEL_SCHEME, STORAGE_SCHEMES, TINY_MODEL_SCHEME
+from rollout_recovery.controller import trainer_checkpoints
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER, check_model
 from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import SnapshotError
@@ -57,7 +59,7 @@ Status = Literal["published", "unpublished", "damaged"]
 _SHA_PREFIX = 12  # hex digits of a sha256 shown by `show`: enough to compare by eye
 _HASH_CHUNK = 8 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# What the shipped driver leaves in a run directory (training/driver.py, training/checkpoint.py):
+# What a training run leaves in its location (run.py, controller/trainer_checkpoints.py):
 # a run holding either pairs its snapshots with trainer checkpoints.
 _TRAINER_DIR, _STEPS_LOG = "trainer", "steps.jsonl"
 
@@ -604,29 +606,23 @@ class _Restorable:
         storage, why = self._run_storage()
         if storage is None:
             return _not_checked(why)
-        key = (ledger.step, ledger.model.weights_sha256)
+        key = (ledger.step, ledger.trainer_checkpoint)
         if key not in self._paired:
             self._paired[key] = self._check_paired(storage, *key)
         return self._paired[key]
 
     @staticmethod
-    def _check_paired(storage: RunStorage, step: int, weights_sha256: str | None) -> Check:
-        from rollout_recovery.training.checkpoint import (  # torch: only when one is checked
-            TrainerCheckpointError,
-            check_paired_checkpoint,
-            trainer_dir,
-        )
-
-        where = storage.display(trainer_dir(step))
+    def _check_paired(storage: RunStorage, step: int, digest: str | None) -> Check:
+        where = storage.display(trainer_checkpoints.trainer_dir(step))
         try:
-            check_paired_checkpoint(storage, step, weights_sha256)
-        except TrainerCheckpointError as err:
+            trainer_checkpoints.check_paired(storage, step, digest)
+        except trainer_checkpoints.TrainerCheckpointError as err:
             return _failed(f"trainer_checkpoint_{err.kind}", one_line(err))
         except OSError as err:
             raise StorageError(f"cannot read {where}: {one_line(err)}") from None
         return _ok(
-            f"{where}: complete, its state passes its sha256 check, it holds weights "
-            f"{_sha_text(weights_sha256)} as the ledger records"
+            f"{where}: complete, every file passes its sha256 check, its digest is "
+            f"{_sha_text(digest)} as the ledger records"
         )
 
     def _model(self, name: str, ledger: Ledger) -> Check:

@@ -14,7 +14,7 @@ from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.selection import DATA_PLANE
 from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import StagingStore
-from rollout_recovery.data_plane.ownership import Owner
+from rollout_recovery.data_plane.ownership import Fence, Owner
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.errors import RecoveryError
 from rollout_recovery.generation.pool import WorkerPool
@@ -44,6 +44,12 @@ def start_job(rr: RolloutRecovery, standalone_gateway: bool) -> None:
         )
     if rr.owner is None:
         rr.owner = claim_snapshot_root(rr.storage)
+    # From here on every write under the run's location checks the claim first (storage.py).
+    fence = Fence.of(rr.storage.child_uri(DATA_PLANE), rr.owner)
+    rr.storage = rr.storage.fenced(fence)
+    if cfg.token_capture.log_uri:
+        cfg = rr.cfg = cfg.model_copy(deep=True)
+        cfg.token_capture.log_fence = fence
     init_ray(rr.ray_address, log_to_driver=False)
     place = cfg.placement
     rr.placement = placed = place_job(cfg)

@@ -59,6 +59,7 @@ def restore_run(rr: RolloutRecovery, snapshot: str | None, mode: str | None) -> 
     finally:
         rr.env.end_restore(restore_id, episodes)
     rr.state.step = chosen.ledger.step
+    rr.state.trainer_checkpoint = chosen.ledger.trainer_checkpoint
     return chosen.ledger.model_dump(mode="json") | {"snapshot": chosen.snapshot,
                                                     "skipped": chosen.skipped,
                                                     "token_log": token_log}  # fmt: skip

@@ -35,6 +35,7 @@ from typing import Literal
 import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
+from rollout_recovery import faults
 from rollout_recovery.data_plane import filesystem
 from rollout_recovery.data_plane.errors import OwnerFenced, OwnershipConflict, SnapshotError
 from rollout_recovery.data_plane.filesystem import create_only  # called by this name here
@@ -42,12 +43,14 @@ from rollout_recovery.data_plane.filesystem import create_only  # called by this
 __all__ = [
     "OWNERSHIP_DIR",
     "EntryBody",
+    "Fence",
     "Owner",
     "OwnerFenced",
     "OwnerInfo",
     "OwnershipConflict",
     "OwnershipEntry",
     "OwnershipLog",
+    "OwnershipWatch",
     "check_current",
     "claim",
     "publish_entry",
@@ -236,8 +239,11 @@ class OwnershipLog:
         )
 
 
-def read_log(fs: pafs.FileSystem, root: str) -> OwnershipLog:
-    """Every entry of the log under `root` (none when it has no log yet)."""
+def read_log(
+    fs: pafs.FileSystem, root: str, known: dict[int, EntryBody] | None = None
+) -> OwnershipLog:
+    """Every entry of the log under `root` (none when it has no log yet); `known`: entries
+    read before (by slot), taken as they are instead of read again."""
     log = OwnershipLog(root)
     directory = log_dir(root)
     try:
@@ -249,6 +255,9 @@ def read_log(fs: pafs.FileSystem, root: str) -> OwnershipLog:
         if info.type != pafs.FileType.File or not m:
             continue
         slot = int(m.group(1))
+        if known is not None and slot in known:
+            log.entries[slot] = known[slot]
+            continue
         try:
             with fs.open_input_stream(info.path) as f:
                 raw = f.read()
@@ -375,3 +384,50 @@ def prune(fs: pafs.FileSystem, log: OwnershipLog, below: int) -> list[str]:
         except FileNotFoundError:
             continue
     return doomed
+
+
+# ---------------------------------------------------------------------------- fenced writes
+
+
+class Fence(BaseModel):
+    """What a writer under a run's location carries to check, before each write, that its
+    owner still owns the run: the snapshot root whose ownership log decides, and the owner's
+    claim. A pydantic value: it crosses into the workers inside their config."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root: str
+    epoch: int
+    slot: int
+    host: str
+    pid: int
+    claimed_at: str
+
+    @classmethod
+    def of(cls, root: str, owner: Owner) -> Fence:
+        return cls(root=root, epoch=owner.epoch, slot=owner.slot, host=owner.host,
+                   pid=owner.pid, claimed_at=owner.claimed_at)  # fmt: skip
+
+    @property
+    def owner(self) -> Owner:
+        return Owner(self.epoch, self.slot, self.host, self.pid, self.claimed_at)
+
+
+class OwnershipWatch:
+    """Checks a fence against the ownership log before each write. Entries are created once
+    and never change, so a valid one is read once and kept; each check lists the log and reads
+    only the slots it has not seen (a log is a handful of entries: retention prunes it)."""
+
+    def __init__(self, fence: Fence) -> None:
+        self.fence = fence
+        self.fs, self.path = filesystem.resolve(fence.root)
+        self._seen: dict[int, EntryBody] = {}
+
+    def check(self, doing: str) -> None:
+        """OwnerFenced (one line naming the newer owner) when a newer claim, or an unreadable
+        entry after the owner's claim, is in the log."""
+        if faults.active("fencing_disabled"):
+            return
+        log = read_log(self.fs, self.path, known=self._seen)
+        self._seen = dict(log.entries)
+        check_current(log, self.fence.owner, doing)

@@ -18,6 +18,7 @@ from collections import defaultdict
 
 import pyarrow as pa
 
+from rollout_recovery.data_plane.ownership import Fence
 from rollout_recovery.data_plane.schemas import ChunkRow, table_to_chunk_rows
 from rollout_recovery.protocol import CallIdentity
 from rollout_recovery.storage import RunStorage
@@ -35,8 +36,8 @@ def _ipc_bytes(table: pa.Table) -> bytes:
 class TokenLogSegments:
     """One writer's segments under a token log root (a local path or any pyarrow.fs URI)."""
 
-    def __init__(self, uri: str, writer: str) -> None:
-        self.storage, self.writer = RunStorage(uri), writer
+    def __init__(self, uri: str, writer: str, fence: Fence | None = None) -> None:
+        self.storage, self.writer = RunStorage(uri, fence), writer  # fenced: see storage.py
         self._n = itertools.count()
 
     def append(self, table: pa.Table) -> str:

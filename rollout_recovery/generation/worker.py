@@ -92,7 +92,7 @@ def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker
         terminal_partition=tc.terminal_partition,
         timeout_s=tc.control_timeout_s,
         max_calls=tc.max_inventory_calls,
-        segments=TokenLogSegments(tc.log_uri, writer) if tc.log_uri else None,
+        segments=TokenLogSegments(tc.log_uri, writer, tc.log_fence) if tc.log_uri else None,
     )
     resumer = Resumer(
         capture,

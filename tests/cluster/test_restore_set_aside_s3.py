@@ -10,11 +10,11 @@ import hashlib
 import pyarrow.fs as pafs
 import pytest
 
+from rollout_recovery.controller import run_plan
 from rollout_recovery.controller.selection import DATA_PLANE, select_snapshot
 from rollout_recovery.controller.set_aside import SET_ASIDE_DIR
 from rollout_recovery.storage import RunStorage
-from rollout_recovery.training import driver
-from rollout_recovery.training.checkpoint import load_trainer_checkpoint
+from rollout_recovery.training.checkpoint import load_state
 from tests.cluster.store_helpers import local_s3
 from tests.unit.test_restore_set_aside import config, old_run
 
@@ -38,11 +38,11 @@ def test_a_skipped_snapshot_is_set_aside_on_s3_and_kept(capsys, tmp_path):
                 if rel.startswith((f"{DATA_PLANE}/{newest}/", "trainer/step-000003/",
                                    "batches/step-000003."))}  # fmt: skip
         assert len(mine) >= 6, mine
-        plan, owner = driver.begin_restore(config(str(tmp_path)), run.storage)
+        plan, owner = run_plan.claim_restore(config(str(tmp_path)), run.storage)
         assert plan.step == 2 and len(plan.choice.skipped) == 1
-        driver._announce(run.storage, plan)
+        run_plan.announce(run.storage, plan)
         out = capsys.readouterr().out
-        load_trainer_checkpoint(plan.state, plan.meta, run.model, run.opt)
+        load_state(plan.checkpoint.files, run.model, run.opt)
         for step in range(3, 7):
             run.step(step, owner, "restored")
 

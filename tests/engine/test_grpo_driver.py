@@ -33,7 +33,7 @@ def test_grpo_driver_learns_the_toy_task_and_checkpoints(ray_session, tiny_cfg, 
     workers = json.loads((tmp_path / "run" / "workers.json").read_text())
     assert workers["metrics_url"].startswith("http://127.0.0.1:") and len(workers["workers"]) == 1
     meta = json.loads((tmp_path / "run" / "trainer" / "step-000006" / "meta.json").read_text())
-    assert meta["extra"] == {"step": 6, "data_cursor": 6}
+    assert meta["extra"] == {"data_cursor": 6} and meta["format"] == 3
     root = str(tmp_path / "run" / "data_plane")
     latest = StagingStore.latest(root)
     assert latest is not None

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rollout_recovery.config import load_config
+from rollout_recovery.controller import run_plan, trainer_checkpoints
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER, select_snapshot
 from rollout_recovery.controller.set_aside import RECORD, SET_ASIDE_DIR
 from rollout_recovery.data_plane import retention
@@ -38,8 +39,7 @@ from rollout_recovery.errors import RestoreError
 from rollout_recovery.protocol import Ledger, ServedModel
 from rollout_recovery.storage import RunStorage
 from rollout_recovery.testing.campaign.snapshot_files import replay_rows
-from rollout_recovery.training import driver
-from rollout_recovery.training.checkpoint import load_trainer_checkpoint, save_trainer_checkpoint
+from rollout_recovery.training.checkpoint import load_state, state_files
 
 MODEL_PATH = "hf://org/tiny"  # a hub model is identified by its name: nothing to load
 KEEP = 2  # rollout_checkpointing.keep_latest_k
@@ -72,15 +72,15 @@ class Run:
         batch = f"batches/step-{step:06d}"
         self.storage.write_bytes(f"{batch}.arrow", f"{tag} batch {step}".encode())
         self.storage.write_bytes(f"{batch}.results.json", f'{{"{tag}": 1}}'.encode())
-        meta = save_trainer_checkpoint(self.storage, step, self.model, self.opt,
-                                       {"step": step, "data_cursor": step},
-                                       log_record={"step": step, "tag": tag})  # fmt: skip
-        name = self.snapshot(step, meta["weights_sha256"], owner, incremental)
+        files = state_files(self.model, self.opt)
+        meta = trainer_checkpoints.save(self.storage, step, files, {"data_cursor": step},
+                                        {"step": step, "tag": tag})  # fmt: skip
+        name = self.snapshot(step, meta["digest"], owner, incremental)
         retention.gc(self.fs, self.root, KEEP, owner)
-        driver._prune_trainer_checkpoints(self.storage, KEEP)
+        trainer_checkpoints.prune(self.storage, KEEP, run_plan.paired_steps(self.storage))
         return name
 
-    def snapshot(self, step: int, weights: str, owner, incremental: bool = False) -> str:
+    def snapshot(self, step: int, paired: str, owner, incremental: bool = False) -> str:
         seq, path = new_snapshot_dir(self.fs, self.root)
         name = path.rsplit("/", 1)[1]
         table = replay_rows([f"s{step}-{seq}-r{i}" for i in range(3)])
@@ -97,7 +97,8 @@ class Run:
                      for f in earlier] + [own]  # fmt: skip
         ledger = Ledger(step=step, weight_version=step, reason="trainer_checkpoint", level="none",
                         model=ServedModel(base={"path": MODEL_PATH, "sha256": None},
-                                          weight_version=step, weights_sha256=weights))  # fmt: skip
+                                          weight_version=step, weights_sha256=None),
+                        trainer_checkpoint=paired)  # fmt: skip
         sidecar = write_sidecar(self.fs, path, LEDGER, ledger.to_json())
         body = ManifestBody(snapshot_id=name.rsplit("-", 1)[1], seq=seq, created_at=now_iso(),
                             num_shards=1, partitions={"replay": kind}, files=files, leases=[],
@@ -132,7 +133,7 @@ def old_run(uri: str, broken: str) -> tuple[Run, str]:
         other = Run(uri, seed=1)
         for _ in range(3):
             other.model.weight.data += 1.0
-        save_trainer_checkpoint(run.storage, 3, other.model, other.opt, {"step": 3})
+        trainer_checkpoints.save(run.storage, 3, state_files(other.model, other.opt), {}, None)
     return run, newest
 
 
@@ -148,15 +149,15 @@ def test_a_skipped_newer_snapshot_is_set_aside_and_outlives_the_restored_runs_re
                                "batches/step-000003."))}  # fmt: skip
     assert f"{DATA_PLANE}/{newest}/MANIFEST.json" in mine and "batches/step-000003.arrow" in mine
 
-    plan, owner = driver.begin_restore(config(str(run_dir)), run.storage)
+    plan, owner = run_plan.claim_restore(config(str(run_dir)), run.storage)
     [(skipped, reason)] = plan.choice.skipped
     assert plan.step == 2 and skipped == str(run_dir / DATA_PLANE / newest)
     assert "trainer checkpoint" in reason
-    driver._announce(run.storage, plan)
+    run_plan.announce(run.storage, plan)
     out = capsys.readouterr().out.splitlines()
 
     # The restored run: steps 3 to 6 with two snapshots kept, as the driver runs them.
-    load_trainer_checkpoint(plan.state, plan.meta, run.model, run.opt)
+    load_state(plan.checkpoint.files, run.model, run.opt)
     for step in range(3, 7):
         run.step(step, owner, "restored")
     assert len(list((run_dir / DATA_PLANE).glob("snapshot-*"))) == KEEP
@@ -194,9 +195,9 @@ def test_a_restore_that_skips_nothing_moves_nothing(tmp_path, capsys):
     run, _ = old_run(str(run_dir), "missing")
     run.storage.delete_dir(f"{DATA_PLANE}/{run.last[0]}")  # step 3's snapshot never written
     before = tree(run_dir)
-    plan, _ = driver.begin_restore(config(str(run_dir)), run.storage)
+    plan, _ = run_plan.claim_restore(config(str(run_dir)), run.storage)
     assert plan.step == 2 and plan.choice.skipped == [] and plan.set_aside is None
-    driver._announce(run.storage, plan)
+    run_plan.announce(run.storage, plan)
     selected = f"Selected rollout recovery snapshot: {plan.choice.snapshot}\n"
     assert capsys.readouterr().out == selected  # as before
     after = tree(run_dir)
@@ -216,7 +217,7 @@ def test_a_move_that_fails_refuses_the_restore_and_deletes_nothing(tmp_path):
     run.storage.fs = fault_filesystem(run.storage.fs, tmp_path / "faultfs", object_store=False)
     run.storage.fs.handler.fail("move", f"*/{newest}/MANIFEST.json")  # moved last: all else was
     with pytest.raises(RestoreError) as info:
-        driver.begin_restore(config(str(run_dir)), run.storage)
+        run_plan.claim_restore(config(str(run_dir)), run.storage)
     msg = str(info.value)
     assert "\n" not in msg and newest in msg and "Input/output error" in msg
     assert "what was moved was moved back, nothing was deleted" in msg and "--restore" in msg

@@ -15,10 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 from rollout_recovery.cli import main
+from rollout_recovery.controller import trainer_checkpoints
 from rollout_recovery.model_identity import base_model_identity
 from rollout_recovery.protocol import Ledger, ServedModel
 from rollout_recovery.storage import RunStorage
-from rollout_recovery.training.checkpoint import save_trainer_checkpoint
+from rollout_recovery.training.checkpoint import state_files
 from tests.unit.test_cli import _published
 
 
@@ -38,17 +39,17 @@ def _model_dir(where: Path, seed: int) -> Path:
 
 
 def _trainer_checkpoint(run: Path, step: int) -> str:
-    """A real trainer checkpoint of `step` under the run; returns its model digest."""
+    """A real trainer checkpoint of `step` under the run; returns its digest."""
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    meta = save_trainer_checkpoint(RunStorage(str(run)), step, model, opt, {"step": step})
-    return meta["weights_sha256"]
+    files = state_files(model, opt)
+    return trainer_checkpoints.save(RunStorage(str(run)), step, files, {}, None)["digest"]
 
 
-def _ledger(step: int, weights: str | None, base: dict) -> Ledger:
-    model = ServedModel(base=base, weight_version=step, weights_sha256=weights)
+def _ledger(step: int, paired: str | None, base: dict) -> Ledger:
+    model = ServedModel(base=base, weight_version=step, weights_sha256=None)
     return Ledger(step=step, weight_version=step, reason="trainer_checkpoint", level="turn",
-                  model=model)  # fmt: skip
+                  model=model, trainer_checkpoint=paired)  # fmt: skip
 
 
 def _verify(capsys, *args: str) -> tuple[int, list[str], list[dict]]:
@@ -105,14 +106,13 @@ def test_a_missing_trainer_checkpoint_is_not_restorable(run, capsys):
     assert code == 1 and results[0]["reason"] == "trainer_checkpoint_missing"
 
 
-def test_a_trainer_checkpoint_of_other_weights_or_altered_is_not_restorable(run, capsys):
+def test_another_or_an_altered_trainer_checkpoint_is_not_restorable(run, capsys):
     run, identity, weights = run
     name = _published(run / "data_plane", _ledger(1, "ee" * 32, identity))
     code, lines, [result] = _verify(capsys, str(run))
     assert code == 1
     assert lines[0] == f"{name}  NOT RESTORABLE: trainer_checkpoint_differs"
-    assert f"holds weights {weights[:12]}, the snapshot's calls were decoded with eeeeeeeeeeee" in (
-        lines[2])  # fmt: skip
+    assert f"has digest {weights[:12]}, the snapshot was paired with eeeeeeeeeeee" in lines[2]
     assert result["trainer_checkpoint"]["code"] == "trainer_checkpoint_differs"
     assert result["model"]["status"] == "ok"  # the other checks still ran
 

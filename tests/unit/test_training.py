@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
+from rollout_recovery.controller import trainer_checkpoints
+from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpointError
 from rollout_recovery.episodes.tally import digit_share, reward, tasks
 from rollout_recovery.storage import RunStorage
-from rollout_recovery.training.checkpoint import (
-    TrainerCheckpointError,
-    load_trainer_checkpoint,
-    read_trainer_meta,
-    read_trainer_state,
-    save_trainer_checkpoint,
-)
+from rollout_recovery.training.checkpoint import load_state, state_files
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
 
@@ -75,24 +69,22 @@ def test_trainer_checkpoint_round_trip_is_exact(tiny_model_dir, tmp_path):
     loss.backward()
     opt.step()
     storage = RunStorage(str(tmp_path / "run"))
-    saved = save_trainer_checkpoint(storage, 3, model, opt, {"step": 3, "cursor": 17})
+    files = state_files(model, opt)
+    assert files == state_files(model, opt)  # equal state, equal bytes
+    saved = trainer_checkpoints.save(storage, 3, files, {"cursor": 17}, {"step": 3})
     expected_next = torch.rand(3)
     torch.manual_seed(999)
     model2 = load_policy(tiny_model_dir)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=5.0)
-    meta = read_trainer_meta(storage, 3)
-    assert meta == json.loads(json.dumps(saved, default=list))
-    extra = load_trainer_checkpoint(read_trainer_state(storage, 3, meta), meta, model2, opt2)
-    assert extra == {"step": 3, "cursor": 17}
+    assert trainer_checkpoints.read_meta(storage, 3) == saved
+    kept = trainer_checkpoints.read(storage, 3)
+    assert kept.files == files and kept.extra == {"cursor": 17} and kept.digest == saved["digest"]
+    assert trainer_checkpoints.read_step_record(storage, 3) == {"step": 3}
+    load_state(kept.files, model2, opt2)
     assert torch.equal(torch.rand(3), expected_next)  # RNG restored
     for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
     assert opt2.param_groups[0]["lr"] == 1e-3
-    # The model digest does not depend on which file holds the tensors.
-    from rollout_recovery.model_identity import directory_weights_digest
-
-    exported = export_weights(model2, tmp_path / "w")
-    assert directory_weights_digest(exported) == meta["weights_sha256"]
     # One more identical step from both gives identical weights.
     for m, o in ((model, opt), (model2, opt2)):
         o.zero_grad()
@@ -104,21 +96,47 @@ def test_trainer_checkpoint_round_trip_is_exact(tiny_model_dir, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
-def test_an_altered_or_incomplete_trainer_checkpoint_is_refused(tiny_model_dir, tmp_path):
-    model = load_policy(tiny_model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def test_an_altered_incomplete_or_other_trainer_checkpoint_is_refused(tmp_path):
+    """Any file of the loop's own format failing its sha256, a missing meta, or another
+    checkpoint than the one a snapshot was paired with: refused with its kind."""
     storage = RunStorage(str(tmp_path / "run"))
-    save_trainer_checkpoint(storage, 1, model, opt, {"step": 1})
-    state = tmp_path / "run" / "trainer" / "step-000001" / "state.safetensors"
-    data = bytearray(state.read_bytes())
+    files = {"weights.bin": b"w" * 64, "opt.json": b'{"lr": 0.1}'}
+    meta = trainer_checkpoints.save(storage, 1, files, {}, None)
+    assert trainer_checkpoints.check_paired(storage, 1, meta["digest"]).files == files
+    with pytest.raises(TrainerCheckpointError, match="digest") as info:
+        trainer_checkpoints.check_paired(storage, 1, "0" * 64)
+    assert info.value.kind == "differs"
+    with pytest.raises(TrainerCheckpointError, match="records no trainer checkpoint"):
+        trainer_checkpoints.check_paired(storage, 1, None)
+    assert trainer_checkpoints.check_paired(storage, 0, None) is None  # the base weights
+    target = tmp_path / "run" / "trainer" / "step-000001" / "weights.bin"
+    data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x01
-    state.write_bytes(bytes(data))
-    meta = read_trainer_meta(storage, 1)
-    with pytest.raises(TrainerCheckpointError, match="fails its sha256 check"):
-        read_trainer_state(storage, 1, meta)
+    target.write_bytes(bytes(data))
+    with pytest.raises(TrainerCheckpointError, match="fails its sha256 check") as info:
+        trainer_checkpoints.check_paired(storage, 1, meta["digest"])
+    assert info.value.kind == "damaged"
     (tmp_path / "run" / "trainer" / "step-000001" / "meta.json").unlink()
-    with pytest.raises(TrainerCheckpointError, match="missing or incomplete"):
-        read_trainer_meta(storage, 1)
+    with pytest.raises(TrainerCheckpointError, match="missing or incomplete") as info:
+        trainer_checkpoints.read(storage, 1)
+    assert info.value.kind == "missing"
+
+
+def test_the_pairing_check_is_what_refuses_another_checkpoint(tmp_path, monkeypatch):
+    """Broken on purpose (`pairing_disabled`): another checkpoint of the step is taken."""
+    storage = RunStorage(str(tmp_path / "run"))
+    trainer_checkpoints.save(storage, 1, {"w": b"other run"}, {}, None)
+    monkeypatch.setenv("ROLLOUT_RECOVERY_FAULTS", "pairing_disabled")
+    assert trainer_checkpoints.check_paired(storage, 1, "0" * 64).files == {"w": b"other run"}
+
+
+@pytest.mark.parametrize("files", [{}, {"meta.json": b"x"}, {"../x": b"x"}, {"a": "text"}])
+def test_a_checkpoint_the_run_cannot_keep_is_refused_in_one_line(tmp_path, files):
+    from rollout_recovery.errors import RecoveryError
+
+    with pytest.raises(RecoveryError) as info:
+        trainer_checkpoints.save(RunStorage(str(tmp_path / "run")), 1, files, {}, None)
+    assert "save_checkpoint" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_toy_task():
@@ -199,8 +217,8 @@ def test_a_restore_whose_episodes_the_first_step_would_not_run_is_refused():
     """Restored episodes of groups or generations the restored step does not submit would wait
     for a step that never comes: refused before anything starts (the driver's plan)."""
     from rollout_recovery.config import load_config
+    from rollout_recovery.controller.run_plan import check_claimed as _check_claimed
     from rollout_recovery.errors import RestoreError
-    from rollout_recovery.training.driver import _check_claimed
 
     cfg = load_config(None, ["grpo.prompts_per_step=1", "grpo.generations_per_prompt=2"])
     _check_claimed(cfg, _choice(("s0000-p000", 0), ("s0000-p000", 1)), 0)  # all claimed

@@ -23,6 +23,7 @@ import ray
 
 from rollout_recovery.cli import main
 from rollout_recovery.config import ConfigError, load_config
+from rollout_recovery.controller.tasks import make_tasks
 from rollout_recovery.environment.dispatch import EpisodeFailed
 from rollout_recovery.environment.episode import EpisodeState
 from rollout_recovery.environment.model_client import ModelCallFailed, PrefixNotSuppliedError
@@ -317,7 +318,7 @@ def test_a_tasks_function_that_raises_or_returns_too_few_names_itself_and_the_st
                              "grpo.prompts_per_step=2"])  # fmt: skip
     seed = 3  # grpo.seed * 1_000_003 + step
     with pytest.raises(UserCodeError) as info:
-        driver._make_tasks(cfg, 3)
+        make_tasks(cfg, 3)
     assert str(info.value) == (
         f"environment.tasks={__name__}:tasks_that_raise raised ValueError: no tasks for seed "
         f"{seed} at step 3 (called as tasks(n=2, seed={seed})); fix the tasks function, {THEN}"
@@ -328,10 +329,8 @@ def test_a_tasks_function_that_raises_or_returns_too_few_names_itself_and_the_st
                              "grpo.prompts_per_step=2"])  # fmt: skip
     with pytest.raises(UserCodeError, match=r"returned 1 tasks at step 0 \(called as tasks\("
                        r"n=2, seed=0\)\); it must return a list of n=2 tasks"):  # fmt: skip
-        driver._make_tasks(cfg, 0)
-    assert driver._make_tasks(load_config(None, ["grpo.prompts_per_step=2"]), 0) == tally.tasks(
-        2, 0
-    )
+        make_tasks(cfg, 0)
+    assert make_tasks(load_config(None, ["grpo.prompts_per_step=2"]), 0) == tally.tasks(2, 0)
 
 
 def test_train_prints_the_line_and_the_users_frames_under_it(monkeypatch, capsys, tmp_path):

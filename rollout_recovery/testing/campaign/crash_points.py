@@ -223,14 +223,17 @@ def published_states(run_dir: str) -> dict[str, dict]:
 
 
 def trainer_checkpoint_digest(run_dir: str, step: int) -> dict[str, str]:
-    """sha256 of a trainer checkpoint's state and meta."""
+    """sha256 of every file of a trainer checkpoint but its log record (timings)."""
     import hashlib
 
+    from rollout_recovery.controller.trainer_checkpoints import STEP_RECORD, trainer_dir
+
     storage = _storage(run_dir)
-    where = f"trainer/step-{step:06d}"
+    where = trainer_dir(step)
     return {
         name: hashlib.sha256(storage.read_bytes(f"{where}/{name}")).hexdigest()
-        for name in ("state.safetensors", "meta.json")
+        for name in storage.list_dir(where)
+        if name != STEP_RECORD
     }
 
 
@@ -508,12 +511,12 @@ def _length_of(masks: dict, keys: dict) -> Callable[[str, str], int | None]:
 
 def _check_orphans(out: CaseResult, run_dir: str) -> None:
     from rollout_recovery.controller.selection import DATA_PLANE
+    from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpointError, read_meta
     from rollout_recovery.data_plane.snapshot_io import (
         SNAPSHOT_DIR_RE,
         published_uris,
         verify_snapshot,
     )
-    from rollout_recovery.training.checkpoint import TrainerCheckpointError, read_trainer_meta
 
     storage = _storage(run_dir)
     orphans = [f"temporary file {t}" for t in storage.leftover_temporaries()]
@@ -530,7 +533,7 @@ def _check_orphans(out: CaseResult, run_dir: str) -> None:
             orphans.append(f"snapshot {name} does not verify: {err}")
     for name in storage.list_dir("trainer"):
         try:
-            read_trainer_meta(storage, int(name.rsplit("-", 1)[-1]))
+            read_meta(storage, int(name.rsplit("-", 1)[-1]))
         except (TrainerCheckpointError, ValueError) as err:
             orphans.append(f"incomplete trainer checkpoint {name}: {err}")
     out.orphans = orphans

@@ -1,0 +1,269 @@
+"""TrainingRun: the trainer's side of recovery, for any training loop. `rollout-recovery train`
+(training/driver.py) is one loop built on it; examples/own_loop/ is another.
+
+    with TrainingRun.open(cfg, restore=True) as run:      # claim; plan or refuse; start
+        if run.checkpoint is not None:                     # the paired trainer checkpoint
+            load(run.checkpoint.files); write weights to run.weights_dir; run.push_weights()
+        for step in range(run.start_step, cfg.grpo.steps):
+            run.begin_step(step)
+            results = run.submit_groups(groups, seeds)      # rollouts, checkpointed meanwhile
+            lease = run.take_batch(results)                # also kept under batches/
+            train(lease.rows); run.ack(lease)
+            write weights to run.weights_dir; run.push_weights()
+            run.save_checkpoint(files, extra, record)      # paired snapshot; step log line
+
+What the run does for the loop:
+
+- `open` claims the location first (controller/run_plan.py): a fresh run only as its first
+  owner, so a location another run owns or is starting is refused with one line naming it; a
+  restore chooses the newest snapshot whose trainer checkpoint is the one paired with it,
+  verified (or refuses, deleting nothing), sets aside newer ones it skipped, and says so.
+- every write under the location (trainer checkpoints, batches, the step and checkpoint logs,
+  token log segments, engine records) goes through storage fenced by the claim (storage.py):
+  once a newer owner claimed the run, the next write raises OwnerFenced naming it. The
+  weights for the workers go to a directory of this owner's own.
+- `save_checkpoint` writes the loop's files as they are (its own format), meta last, then
+  snapshots the rollouts with the checkpoint's digest in the ledger (a restore pairs only
+  that checkpoint with the snapshot), prunes checkpoints no kept snapshot pairs with, and
+  appends the step's line to the step log.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rollout_recovery.api import GroupResult, SingleController
+from rollout_recovery.config import RolloutRecoveryConfig
+from rollout_recovery.controller import batches, step_log, trainer_checkpoints
+from rollout_recovery.controller.run_plan import (
+    RestorePlan,
+    announce,
+    claim_fresh,
+    claim_restore,
+    paired_steps,
+)
+from rollout_recovery.controller.selection import DATA_PLANE
+from rollout_recovery.controller.tasks import make_tasks
+from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
+from rollout_recovery.crashpoints import crash_point
+from rollout_recovery.data_plane import LeaseResult
+from rollout_recovery.data_plane.ownership import Fence, Owner
+from rollout_recovery.errors import CheckpointWriteError, RecoveryError, RunStalled
+from rollout_recovery.model_identity import resolve_model_path
+from rollout_recovery.protocol import group_id
+from rollout_recovery.runtime import ActorProxy
+from rollout_recovery.storage import RunStorage, StorageError
+
+__all__ = ["GroupResult", "TrainerCheckpoint", "TrainingRun", "group_id"]
+
+WEIGHTS_DIR = "weights"
+
+
+class TrainingRun:
+    """One training run's recovery, opened by `TrainingRun.open`; see the module docstring."""
+
+    def __init__(
+        self, cfg: RolloutRecoveryConfig, storage: RunStorage, owner: Owner,
+        plan: RestorePlan | None,
+    ) -> None:  # fmt: skip
+        self.cfg, self.storage, self.owner, self._plan = cfg, storage, owner, plan
+        self.start_step = plan.step if plan is not None else 0
+        self.checkpoint: TrainerCheckpoint | None = plan.checkpoint if plan else None
+        self.rollouts: ActorProxy | None = None  # the SingleController
+        self._weights_due = self.checkpoint is not None  # pushed before the first step
+        self._scratch: tempfile.TemporaryDirectory | None = None
+        self.weights_dir = self._weights_dir()
+        self.weight_version = plan.choice.ledger.weight_version if plan else 0
+        self._step: int | None = None
+        self._t0, self._gen_s, self._tokens = 0.0, 0.0, 0
+        self._before: dict[str, float] = {}
+        self._batch_digest: str | None = None
+        self.model_dir = resolve_model_path(cfg.policy.model_path)  # policy.model_path, local
+
+    @classmethod
+    def open(
+        cls, cfg: RolloutRecoveryConfig, restore: bool = False, ray_address: str = "local"
+    ) -> TrainingRun:
+        """Claim `checkpointing.checkpoint_dir` and start the job; with `restore`, continue
+        the run there from its newest usable snapshot (nothing to restore: from step 0).
+        Refusals (RunExistsError, RestoreError) are one line and change nothing."""
+        storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+        storage.check_writable()
+        plan = None
+        if restore:
+            plan, owner = claim_restore(cfg, storage)
+            if plan is None:
+                print(f"Nothing to restore under {storage.display()}: starting from step 0",
+                      flush=True)  # fmt: skip
+        else:
+            owner = claim_fresh(storage)
+        mine = storage.fenced(Fence.of(storage.child_uri(DATA_PLANE), owner))
+        if plan is not None:
+            announce(mine, plan)
+            step_log.complete(mine, plan.step)
+            for rel in mine.leftover_temporaries():  # writes the crash cut short
+                mine.delete_file(rel)
+        run = cls(cfg, mine, owner, plan)
+        try:
+            run.rollouts = SingleController(cfg, ray_address, owner=owner)
+            if plan is not None:
+                run.rollouts.restore(plan.choice.snapshot)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the job (workers, store, environment); the location keeps everything."""
+        if self.rollouts is not None:
+            self.rollouts.close()
+            self.rollouts = None
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
+
+    # ------------------------------------------------------------------ weights
+
+    def _weights_dir(self) -> Path:
+        """A directory of this owner's own for the weights the workers load (a stale owner
+        never writes into the newer one's); older owners' are removed. On an object store, a
+        local temporary directory (the workers load from local files)."""
+        here = self.storage.local_path(WEIGHTS_DIR)
+        if here is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="rollout-recovery-weights-")
+            return Path(self._scratch.name)
+        mine = here / f"epoch-{self.owner.epoch:06d}"
+        for old in here.glob("epoch-*") if here.is_dir() else []:
+            if old != mine:
+                shutil.rmtree(old, ignore_errors=True)
+        mine.mkdir(parents=True, exist_ok=True)
+        return mine
+
+    def push_weights(self) -> int:
+        """Load the weights the loop wrote into `weights_dir` into every worker; returns their
+        weight version. The first push after a restore re-establishes the snapshot's version,
+        and refuses weights other than the ones its calls were decoded with."""
+        self.storage.check_owner("pushing weights to the workers")
+        if self._weights_due:
+            ledger = self._plan.choice.ledger
+            version = self.rollouts.push_weights(str(self.weights_dir), ledger.weight_version,
+                                                 ledger.model.weights_sha256)  # fmt: skip
+            self._weights_due = False
+        else:
+            version = self.rollouts.push_weights(str(self.weights_dir))
+            if self._step is not None:
+                crash_point("weights_pushed")
+        self.weight_version = version
+        return version
+
+    # ------------------------------------------------------------------ a step
+
+    def begin_step(self, step: int) -> None:
+        """Start generating step `step`'s rollouts (recorded in the snapshots' ledgers)."""
+        if self._weights_due:
+            raise RecoveryError(
+                f"run.checkpoint holds the trainer state of step {self.checkpoint.step}: load it, "
+                "write its weights to run.weights_dir and call run.push_weights() before "
+                "run.begin_step (the restored calls continue with those weights)"
+            )
+        self.rollouts.set_step(step)
+        self._step, self._t0, self._batch_digest = step, time.monotonic(), None
+        self._before = self.rollouts.counters()
+
+    def tasks(self, step: int) -> list[dict]:
+        """Step `step`'s tasks from `environment.tasks(grpo.prompts_per_step, seed)`, checked;
+        an error in that function names it and shows its own frames."""
+        return make_tasks(self.cfg, step)
+
+    def submit_groups(
+        self, groups: list[tuple[str, dict]], seeds: Callable[[int, int], int]
+    ) -> list[GroupResult]:
+        """The step's episodes, run and scored (RolloutRecovery.submit_groups); a stalled run
+        is written to the step log before it raises."""
+        step = self._current()
+        try:
+            results = self.rollouts.submit_groups(groups, seeds)
+        except RunStalled as err:
+            step_log.append(self.storage, {"event": "stalled", "step": step,
+                                           "reason": err.reason, "error": str(err)})  # fmt: skip
+            raise
+        self._gen_s = time.monotonic() - self._t0
+        self._tokens = sum(r.generated_tokens for r in results)
+        return results
+
+    def take_batch(self, results: list[GroupResult], ttl_s: float = 600.0) -> LeaseResult:
+        """Lease the step's finished rows for training; the batch and what each episode
+        returned are kept under batches/ (and what the engines did per call attempt in the
+        evidence log) first."""
+        step = self._current() + 1
+        self.rollouts.record_call_attempts(step)
+        lease = self.rollouts.take_batch(sum(len(r.rows) for r in results), ttl_s)
+        crash_point("batch_leased")
+        self.storage.write_bytes(batches.batch_rel(step, "arrow"), batches.batch_bytes(lease.rows))
+        self.storage.write_bytes(batches.batch_rel(step, "results.json"),
+                                 batches.results_json(results))  # fmt: skip
+        self._batch_digest = batches.batch_digest(lease.rows)
+        return lease
+
+    def ack(self, lease: LeaseResult) -> int:
+        """After the optimizer step: the leased rows are trained on."""
+        acked = self.rollouts.ack(lease)
+        crash_point("batch_acked")
+        return acked
+
+    def save_checkpoint(
+        self, files: dict[str, bytes], extra: dict | None = None, record: dict | None = None
+    ) -> dict:
+        """End the step: write the trainer checkpoint (the loop's `files`, in its own format,
+        and the JSON `extra`), snapshot the rollouts paired with it, prune, and append the
+        step's line (`record` plus the run's figures) to the step log; returns that line."""
+        step = self._current() + 1
+        c0 = time.monotonic()
+        line = {
+            "step": step,
+            **(record or {}),
+            "generated_tokens": self._tokens,
+            "tokens_per_s": self._tokens / self._gen_s if self._gen_s else 0.0,
+            "weight_version": self.weight_version,
+            "batch_digest": self._batch_digest,
+            **{k: v - self._before.get(k, 0) for k, v in self.rollouts.counters().items()},
+        }
+        kept = line | {"checkpoint_s": None, "snapshot_s": None}  # completes a lost log line
+        try:
+            meta = trainer_checkpoints.save(self.storage, step, files, extra or {}, kept)
+        except StorageError as err:
+            raise CheckpointWriteError(
+                f"cannot write the trainer checkpoint of step {step}: {err}; free space or fix "
+                "permissions under checkpointing.checkpoint_dir, then continue with "
+                "`train --restore` (nothing was deleted)"
+            ) from None
+        crash_point("after_trainer_checkpoint")
+        snap = self.rollouts.notify_trainer_checkpoint(step, meta["digest"])
+        if "failed" in snap:
+            print(f"rollout snapshot after trainer step {step} failed ({snap['failed']} in a "
+                  "row; see checkpoints.jsonl); the run goes on", flush=True)  # fmt: skip
+        crash_point("after_trainer_snapshot")
+        paired = paired_steps(self.storage)
+        if paired is not None:
+            keep = self.cfg.rollout_checkpointing.keep_latest_k
+            trainer_checkpoints.prune(self.storage, keep, paired)
+        line |= {"checkpoint_s": time.monotonic() - c0, "snapshot_s": snap["snapshot_s"]}
+        step_log.append(self.storage, line)
+        crash_point("step_logged")
+        self._step = None
+        return line
+
+    def _current(self) -> int:
+        if self._step is None:
+            raise RecoveryError("call run.begin_step(step) first: no step is in progress")
+        return self._step
