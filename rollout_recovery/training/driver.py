@@ -30,12 +30,8 @@ import torch
 from tqdm import tqdm
 
 from rollout_recovery.config import RolloutRecoveryConfig
-from rollout_recovery.errors import (
-    CheckpointWriteError,
-    RecoveryError,
-)
-from rollout_recovery.protocol import group_id
-from rollout_recovery.run import TrainingRun
+from rollout_recovery.errors import CheckpointWriteError, RecoveryError
+from rollout_recovery.run import TrainingRun, group_id
 from rollout_recovery.training.checkpoint import load_state, state_files
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs

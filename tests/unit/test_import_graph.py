@@ -198,3 +198,37 @@ def test_the_check_finds_an_import_of_the_testing_wing(tmp_path):
     (pkg / "clean.py").write_text("from pkg import prod\n")
     found = reaching_into(pkg, "pkg.testing")
     assert found == {"pkg.prod": ["'pkg.testing.fake'", "pkg.testing.fake"]}
+
+
+# The shipped driver is a loop like a user's: the public API, the config, the errors and its own
+# training modules (policy, loss, checkpoint format), nothing of the project's internals.
+DRIVER_MAY_IMPORT = ("rollout_recovery.run", "rollout_recovery.config", "rollout_recovery.errors",
+                     "rollout_recovery.training")  # fmt: skip
+
+
+def project_imports(path: Path) -> set[str]:
+    """Every rollout_recovery module `path` imports, at load time or later."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+    return {name for name in found if name.split(".")[0] == "rollout_recovery"}
+
+
+def outside_public_api(path: Path) -> set[str]:
+    return {m for m in project_imports(path)
+            if not any(m == a or m.startswith(a + ".") for a in DRIVER_MAY_IMPORT)}  # fmt: skip
+
+
+def test_the_shipped_driver_uses_only_the_public_api():
+    assert outside_public_api(PACKAGE / "training" / "driver.py") == set()
+    for module in ("checkpoint", "grpo", "policy"):  # its own training modules
+        assert outside_public_api(PACKAGE / "training" / f"{module}.py") == set(), module
+
+
+def test_the_driver_check_finds_an_internal_import(tmp_path):
+    loop = tmp_path / "loop.py"
+    loop.write_text("def f():\n    from rollout_recovery.controller.run_plan import plan_restore\n")
+    assert outside_public_api(loop) == {"rollout_recovery.controller.run_plan"}
