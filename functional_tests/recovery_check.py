@@ -5,6 +5,11 @@
         [--seed N] [--min-identical-logprobs F] [--max-logprob-diff F] [config overrides...]
     ... --out DIR2 --from-kill DIR [--fault NAME]   # restore DIR's killed run again
     ... --out DIR --verify-only                      # verify DIR's runs again (local storage)
+    ... --train PATH [--config FILE]                 # a training script instead of the CLI
+
+`--train PATH` runs a training loop of one's own (e.g. examples/own_loop/train.py, with the
+repo's .venv python and the arguments of `rollout-recovery train`) in every phase instead of
+`rollout-recovery train`; its config defaults to the config.yaml beside it.
 
 1. reference: `rollout-recovery train` start to finish;
 2. kill k (of --kills): the run (fresh, then `--restore`) in its own process group, polled
@@ -38,6 +43,7 @@ run's checkpoint_dir on a local S3 server (moto, 127.0.0.1) started by this chec
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -55,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 CLI = [str(REPO / ".venv" / "bin" / "rollout-recovery"), "train"]
+PYTHON = str(REPO / ".venv" / "bin" / "python")
 
 from processes import (  # noqa: E402
     MARK_ENV,
@@ -106,7 +113,16 @@ def overrides(args, run_dir: str) -> list[str]:
 ENV_CONFIGS = {"notes": "notes_agent.yaml", "gateway": "gateway_harness.yaml"}
 
 
+def train_command(args) -> list[str]:
+    """What every phase runs, before its `[--restore] --config FILE overrides...`."""
+    return [PYTHON, str(args.train)] if args.train else CLI
+
+
 def config(args) -> str:
+    if args.config:
+        return str(args.config)
+    if args.train:  # a loop of one's own comes with its config
+        return str(Path(args.train).resolve().parent / "config.yaml")
     name = ENV_CONFIGS.get(args.env, f"{args.level}_recovery.yaml")
     return str(REPO / "configs" / name)
 
@@ -114,7 +130,8 @@ def config(args) -> str:
 def env_overrides(args, run_dir: str) -> list[str]:
     """The level of the environment configs (the built-in ones are one per level), and a local
     scratch directory for a run whose checkpoint_dir is remote."""
-    out = [f"rollout_recovery.target_level={args.level}"] if args.env in ENV_CONFIGS else []
+    per_level = args.env in ENV_CONFIGS or args.train  # not one config per level
+    out = [f"rollout_recovery.target_level={args.level}"] if per_level else []
     if "://" in run_dir:
         out.append(f"environment.scratch_dir={scratch_dir(args, run_dir)}")
     return out
@@ -144,6 +161,7 @@ def run(args, cmd: list[str], log: Path, phase: str, run_dir: str, env: dict | N
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                 start_new_session=True)  # fmt: skip
+        STARTED.append(proc)
         code = wait_phase(proc, args.phase_timeout, phase, run_dir, log, before)
     if code != 0:
         sys.exit(f"FAIL: {phase} ({' '.join(cmd[:3])}) exited {code}; "
@@ -161,6 +179,17 @@ def wait_phase(
         stop_run(proc)
         sys.exit(f"FAIL: {phase} stuck: not finished after {timeout:g} s; "
                  f"{run_state(str(run_dir), log, before)}")  # fmt: skip
+
+
+STARTED: list[subprocess.Popen] = []  # every run this check started
+
+
+def stop_left_runs() -> None:
+    """At exit, however the check ends: SIGKILL every run it started that is still there (a
+    check that fails mid-kill must not leave a frozen run behind)."""
+    for proc in STARTED:
+        if proc.poll() is None:
+            stop_run(proc)
 
 
 def stop_run(proc: subprocess.Popen) -> None:
@@ -234,6 +263,8 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     """Run (fresh for k == 1, else --restore) until a published snapshot of trainer step >=
     min_step holds --cuts recoverable items, then kill at a random moment after it: freeze
     the engines, read what they decoded, freeze everything, SIGKILL, check no survivors."""
+    import httpx
+
     from rollout_recovery.data_plane.snapshot_io import published_uris
 
     log_path = args.out / f"phase{k}.log"
@@ -242,9 +273,10 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     what = f"phase {k} (`train{' --restore' if restore else ''}`)"
     before = len(checkpoint_records(run_dir))
     proc = subprocess.Popen(
-        [*CLI, *restore, "--config", config(args), *overrides(args, run_dir)],
+        [*train_command(args), *restore, "--config", config(args), *overrides(args, run_dir)],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
     )  # fmt: skip
+    STARTED.append(proc)
     root = child(run_dir, "data_plane")
     deadline = time.monotonic() + args.phase_timeout
     chosen, kill_at, delay, next_scan = None, None, 0.0, 0.0
@@ -282,6 +314,10 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             # 0.9 intervals of this snapshot lands before anything newer is published.
             delay = args.rng.uniform(0.1, 0.9) * args.interval
             kill_at = snapshot_time(ready["snapshot"]) + delay
+        if kill_at is not None and time.time() >= kill_at and run_ending(run_dir):
+            # Too late (a slow poll on a loaded machine): the run finished its steps and is
+            # stopping its workers. It exits without a kill, and phase 1 runs again.
+            kill_at = None
         if kill_at is not None and time.time() >= kill_at:
             tree |= descendants(proc.pid)
             workers = current_workers(run_dir, tree)
@@ -291,7 +327,14 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             note(foreign, signal_own(others, signal.SIGSTOP))
             frozen_at = time.time()
             time.sleep(0.1)  # outputs already sent reach the workers' counters
-            before = read_engine_records(workers, args.token)
+            try:
+                before = read_engine_records(workers, args.token)
+            except httpx.HTTPError:  # fatal, unless the run was stopping its workers
+                if not run_ending(run_dir):
+                    raise
+                note(foreign, signal_own(others, signal.SIGCONT))
+                kill_at = None
+                continue
             # Freeze the run, then decide on what is published now: nothing newer can
             # appear before the kill, so the next phase restores exactly the chosen snapshot.
             note(foreign, signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
@@ -324,6 +367,14 @@ def note(foreign: dict[int, str], pids: list[int]) -> None:
     """Record what the pids left alone run now (another check's engine, a `pgrep`, ...)."""
     for pid in pids:
         foreign.setdefault(pid, command(pid))
+
+
+def run_ending(run_dir: str) -> bool:
+    """Whether a worker of the running phase has exited: its run is stopping its job."""
+    from rollout_recovery.storage import RunStorage
+
+    workers = json.loads(RunStorage(run_dir).read_bytes("workers.json"))["workers"]
+    return not all(alive_own(w["pid"]) for w in workers)
 
 
 def current_workers(run_dir: str, tree: set[int]) -> list[dict]:
@@ -623,9 +674,18 @@ def main() -> int:
     ap.add_argument("--verify-only", action="store_true", help="verify --out's runs again")
     ap.add_argument("--model", help="policy.model_path for every run (a dir or hf://org/name)")
     ap.add_argument("--gpu", action="store_true", help="run the engines on CUDA")
+    ap.add_argument("--train", type=Path,
+                    help="a training script run instead of `rollout-recovery train` (same "
+                         "arguments), e.g. examples/own_loop/train.py")  # fmt: skip
+    ap.add_argument("--config", type=Path,
+                    help="the runs' config (default: by level and environment, or the "
+                         "config.yaml beside --train)")  # fmt: skip
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
     mark_this_check()  # every run it starts carries it: signals reach only those (processes.py)
+    atexit.register(stop_left_runs)
+    if args.train:  # its config names functions beside it (load_config imports them here too)
+        sys.path.insert(0, str(args.train.resolve().parent))
     if args.max_tokens is None:  # three turns of a multi-turn environment fit 1024 tokens
         args.max_tokens = 96 if args.level == "turn" else 384 if args.env == "tally" else 192
     if args.seed is None:
@@ -674,7 +734,7 @@ def fault_env(args) -> dict | None:
 
 
 def last_phase(args, rec_dir: str, k: int) -> None:
-    cmd = [*CLI, "--restore", "--config", config(args), *overrides(args, rec_dir)]
+    cmd = [*train_command(args), "--restore", "--config", config(args), *overrides(args, rec_dir)]
     run(
         args,
         cmd,
@@ -692,7 +752,7 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
     t0 = time.monotonic()
     run(
         args,
-        [*CLI, "--config", config(args), *overrides(args, ref_dir)],
+        [*train_command(args), "--config", config(args), *overrides(args, ref_dir)],
         args.out / "reference.log",
         "the reference run",
         ref_dir,
@@ -743,6 +803,7 @@ def verify_only(args) -> int:
     saved = json.loads((args.out / "parity.json").read_text())
     for key in ("level", "env", "max_turns", "fault", "cuts"):
         setattr(args, key, saved[key])
+    args.train, args.config = saved.get("train"), saved.get("config")  # as it ran
     args.storage, args.reference_s = "local", saved["reference_s"]
     kills = json.loads((args.out / "kills.json").read_text())
     return report(args, saved["reference_dir"], saved["recovered_dir"], kills)
@@ -828,6 +889,8 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
     result = {
         "level": args.level,
         "env": args.env,
+        "train": str(args.train) if args.train else None,
+        "config": config(args),
         "storage": args.storage,
         "fault": args.fault,
         "cuts": args.cuts,
@@ -886,8 +949,11 @@ def print_report(args, result: dict, rows: list, details: dict, final: int) -> N
         )
     ckpt = result["final_trainer_checkpoint"]
     same = "identical to" if ckpt["reference"] == ckpt["recovered"] else "DIFFERENT from"
-    print(f"final trainer checkpoint (step {final}): {same} the reference "
-          f"(state sha256 {ckpt['recovered']['state.safetensors'][:16]})")  # fmt: skip
+    # The shipped driver's state file, or a loop's own first file (its format is its own).
+    name = "state.safetensors" if "state.safetensors" in ckpt["recovered"] else min(
+        ckpt["recovered"], default=None)  # fmt: skip
+    digest = f"{name} sha256 {ckpt['recovered'][name][:16]}" if name else "no files"
+    print(f"final trainer checkpoint (step {final}): {same} the reference ({digest})")
     for k, lw in enumerate(result["lost_work"], start=1):
         levels = [lv for lv in ("prefix", "turn", "none") if lv in lw]
         vs = " vs ".join(f"{lw[lv]} at level {lv}" for lv in levels[1:])

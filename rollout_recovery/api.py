@@ -1,5 +1,6 @@
-"""RolloutRecovery: the calls a trainer makes, built from one config. The shipped GRPO driver
-uses only this.
+"""RolloutRecovery: the rollout side of a run, built from one config. A training loop uses it
+through TrainingRun (run.py), which adds the trainer's side: the claim, restore planning,
+paired trainer checkpoints and the step log.
 
 Data flow of a step (each arrow a call across processes):
 

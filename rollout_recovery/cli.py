@@ -590,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     user's own code exit 1. The last is followed by the user's own traceback frames (never
     the project's, Ray's or the standard library's). Nothing is deleted on any of them."""
     from rollout_recovery.controller.inspection import InspectionError
+    from rollout_recovery.data_plane.errors import SnapshotError
     from rollout_recovery.errors import RecoveryError, unwrapped
     from rollout_recovery.storage import StorageError
 
@@ -599,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InspectionError) as err:
         print(f"rollout-recovery: {err}", file=sys.stderr)
         return 2
-    except (RecoveryError, StorageError) as raised:
+    except (RecoveryError, StorageError, SnapshotError) as raised:
         err = unwrapped(raised)  # raised in a Ray actor: Ray's wrapper prints its whole trace
         print(f"rollout-recovery: {' '.join(str(err).split())}", file=sys.stderr)
         frames = getattr(err, "frames", "")

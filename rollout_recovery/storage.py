@@ -38,12 +38,14 @@ from rollout_recovery.data_plane.filesystem import (
     sync_file,
 )
 from rollout_recovery.data_plane.ownership import Fence, OwnershipWatch
+from rollout_recovery.errors import RecoveryError
 
 TMP_MARK = ".tmp-"  # in the name of a file being written, before it is moved into place
 
 
-class StorageError(OSError):
-    """A write or read under the checkpoint location failed; the message is one line."""
+class StorageError(OSError, RecoveryError):
+    """A write or read under the checkpoint location failed; the message is one line. A
+    RecoveryError too, so a loop catches every expected failure of a run as one kind."""
 
 
 class RunStorage:

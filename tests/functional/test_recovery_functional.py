@@ -8,8 +8,12 @@ gateway check (functional_tests/gateway_recovery.sh) runs an `openai` client har
 rollout through the gateway; the failover check (functional_tests/worker_failover.sh) kills
 one worker's engine, then one worker actor, in the middle of generation; the two-node check
 (functional_tests/two_node_recovery.sh) SIGKILLs a driver whose workers, store shards and
-environment actors run on both nodes of a local Ray cluster, and restores it there. The built-in
-single-turn task's prefix recovery is killed at every crash point by
+environment actors run on both nodes of a local Ray cluster, and restores it there. The own-loop
+check (functional_tests/own_loop_recovery.sh) runs the prefix check on a training loop of its own
+(examples/own_loop/train.py) instead of `rollout-recovery train`; the two-owner check
+(functional_tests/two_owners.sh) freezes that loop mid-generation, restores its run in a second
+process, thaws the first and requires it to stop writing (and fails with fencing disabled). The
+built-in single-turn task's prefix recovery is killed at every crash point by
 tests/functional/test_crash_campaign.py."""
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import processes  # noqa: E402
 CHECK = REPO / "functional_tests" / "recovery_check.py"
 FAILOVER = REPO / "functional_tests" / "worker_failover.py"
 TWO_NODE = REPO / "functional_tests" / "two_node_recovery.py"
+TWO_OWNERS = REPO / "functional_tests" / "two_owners.py"
 pytestmark = pytest.mark.engine
 
 
@@ -62,6 +67,16 @@ FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]
 # 4 calls of 128 tokens over two workers, killed once in step 1 with 3 cut calls published
 # (so cut calls on both workers), one restore.
 TWO_NODE_ARGS: list[str] = []
+# The prefix check on examples/own_loop/train.py: one group of 4 calls of 128 tokens a step,
+# killed once in step 1 or 2 (its own checkpoint restored) with 2 cut calls published. Three
+# steps: a kill that came too late for step 1 (a slow poll, four checks on two cores) has step
+# 2, where with two it found the run stopping its workers.
+OWN_LOOP = ["--train", "examples/own_loop/train.py", "--level", "prefix", "--steps", "3",
+            "--cuts", "2", "--max-tokens", "128"]  # fmt: skip
+# Its defaults are the smallest size: A frozen in step 1 or 2 of 3 (one group of 4 calls of
+# 128 tokens; with two steps a freeze that came too late for step 1 had no second chance), B
+# finishes step 3, C runs step 4.
+TWO_OWNERS_ARGS: list[str] = []
 RUNS = {
     # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
     # trainer checkpoint).
@@ -75,10 +90,15 @@ RUNS = {
     "failover": FAILOVER_ARGS,
     # A local two-node Ray cluster; checkpoints on the local S3 server.
     "two_node": TWO_NODE_ARGS,
+    # A training loop of one's own on the TrainingRun API, in its own checkpoint format.
+    "own_loop": OWN_LOOP,
+    # A stale owner thawed after a restore took its run over.
+    "two_owners": TWO_OWNERS_ARGS,
 }
-SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE}
-BROKEN = ("resume_disabled", "redecode_committed_turns", "token_log_rows_corrupted")
-AFTER_TURN = ("failover", "two_node")  # started once the turn check is done
+SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE, "two_owners": TWO_OWNERS}
+BROKEN = ("resume_disabled", "redecode_committed_turns", "token_log_rows_corrupted",
+          "fencing_disabled")  # fmt: skip
+AFTER_TURN = ("failover", "two_node", "two_owners")  # started once the turn check is done
 
 
 @pytest.fixture(scope="module")
@@ -150,15 +170,26 @@ def two_node_run(runs) -> Path:
     return runs["two_node"]
 
 
+@pytest.fixture(scope="module")
+def own_loop_run(runs) -> Path:
+    return runs["own_loop"]
+
+
+@pytest.fixture(scope="module")
+def two_owners_run(runs) -> Path:
+    return runs["two_owners"]
+
+
 def _report(out: Path) -> dict:
     return json.loads((out / "parity.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """The finished checks' kills restored (or the failover run repeated) deliberately broken,
-    the three at once (they are independent; one after another they took ~3 minutes): each
-    check must fail on its own. Options first: PREFIX ends with a config override."""
+    """The finished checks' kills restored (or the failover and two-owner runs repeated)
+    deliberately broken, the four at once (they are independent; one after another the first
+    three took ~3 minutes): each check must fail on its own. Options first: PREFIX ends with a
+    config override."""
     outs = {name: tmp_path_factory.mktemp(f"broken-{name}") for name in BROKEN}
     cmds = {
         "resume_disabled": [str(CHECK), "--out", str(outs["resume_disabled"]), "--from-kill",
@@ -170,6 +201,9 @@ def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
                                    "--kill", "engine", *FAILOVER_ARGS, "--reference",
                                    str(runs["failover"] / "reference"), "--fault",
                                    "token_log_rows_corrupted"],
+        # A fresh two-owner check (it restores nothing of another's), its runs unfenced.
+        "fencing_disabled": [str(TWO_OWNERS), "--out", str(outs["fencing_disabled"]),
+                             *TWO_OWNERS_ARGS, "--fault", "fencing_disabled"],
     }  # fmt: skip
     procs = {name: subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -349,3 +383,50 @@ def test_a_run_killed_on_a_two_node_cluster_restores_there_with_parity(two_node_
     # The resumed calls' logprobs too, bit for bit (as tests/cluster's two-node test asserted).
     assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
                and s["logprobs_bit_identical"] == 1.0 for s in report["steps"])  # fmt: skip
+
+
+def test_a_training_loop_of_its_own_recovers_with_parity(own_loop_run):
+    """examples/own_loop/train.py (plain PyTorch: its own model wrapper, SGD with momentum, a
+    warmup schedule, its own reward and checkpoint format, on TrainingRun) SIGKILLed in the
+    middle of step 1 or 2 and restored from its own checkpoint: the same batches and losses as the
+    uninterrupted run, every cut call resumed, its final checkpoint the same bytes."""
+    report = _report(own_loop_run)
+    assert report["violations"] == [] and report["train"] == "examples/own_loop/train.py"
+    [kill] = report["kills"]
+    assert kill["step"] >= 1 and kill["recoverable_cuts"] >= 2
+    assert report["restored_calls"] >= 2 and report["restored_prefix_tokens"] > 0
+    assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
+               for s in report["steps"])  # fmt: skip
+    ckpt = report["final_trainer_checkpoint"]
+    assert ckpt["reference"] == ckpt["recovered"]
+    assert set(ckpt["recovered"]) == {"model.safetensors", "trainer.pt", "meta.json"}
+
+
+def test_a_stale_owner_thawed_after_a_restore_stops_and_writes_nothing(two_owners_run):
+    """A frozen mid-generation in step 1, B restored and finished the run, A thawed: A stopped
+    with one line naming B's claim and changed nothing under the run; C continued from B's
+    newest snapshot."""
+    report = _report(two_owners_run)
+    assert report["violations"] == [] and report["fault"] is None
+    a0, b, a1, c = report["actors"]
+    assert a0["frozen"]["step"] >= 1 and a0["frozen"]["mid_generation"]
+    assert a0["claim"]["epoch"] < b["claim"]["epoch"] < c["claim"]["epoch"]
+    assert any(e["kind"] == "publish" for e in b["wrote"]["ownership"])
+    assert a1["exit"] not in (0, None) and a1["fenced"]["processes_left"] == []
+    [line] = a1["fenced"]["stderr"]
+    assert "no longer owns" in line and f"epoch {b['claim']['epoch']} " in line
+    assert a1["wrote"]["touched"] == 0
+    assert c["exit"] == 0 and c["wrote"]["logs"]["steps.jsonl"]["appended"] >= 1
+
+
+def test_the_two_owner_check_fails_when_writes_are_not_fenced(broken):
+    """The same check with writes under the run unfenced (snapshot publication still is): the
+    thawed stale owner writes under the run (a snapshot directory, token log segments, log
+    lines), and the check fails on it."""
+    proc, out = broken["fencing_disabled"]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = _report(out)
+    assert report["fault"] == "fencing_disabled" and report["actors"][2]["wrote"]["touched"] > 0
+    assert any(v.startswith("[fencing] A after the thaw") for v in report["violations"])
+    assert all(v.split("]")[0] in ("[fencing", "[history", "[logs")
+               for v in report["violations"])  # fmt: skip

@@ -158,3 +158,72 @@ def test_a_check_signals_only_processes_that_carry_its_mark(monkeypatch):
         for proc in (ours, theirs):
             proc.kill()
             proc.wait()
+
+
+def test_a_training_script_replaces_the_cli_in_every_phase():
+    """`--train PATH`: the script with the repo's python, its config beside it by default."""
+    script = REPO / "examples" / "own_loop" / "train.py"
+    args = SimpleNamespace(train=script, config=None, env="tally", level="prefix")
+    assert rc.train_command(args) == [rc.PYTHON, str(script)]
+    assert rc.config(args) == str(script.parent / "config.yaml")
+    assert rc.env_overrides(args, "/tmp/run") == ["rollout_recovery.target_level=prefix"]
+    cli = SimpleNamespace(train=None, config=None, env="tally", level="turn")
+    assert rc.train_command(cli) == rc.CLI
+    assert rc.config(cli) == str(REPO / "configs" / "turn_recovery.yaml")
+
+
+def test_the_own_loop_needs_fewer_than_40_lines_of_recovery_glue():
+    """Every line of examples/own_loop/train.py whose code names the run (TrainingRun, `run`,
+    the lease, the group ids the API requires, its errors) is marked `# recovery glue`; the
+    rest is the loop's own PyTorch."""
+    import io
+    import tokenize
+
+    path = REPO / "examples" / "own_loop" / "train.py"
+    text = path.read_text()
+    names = {"TrainingRun", "run", "lease", "group_id", "RecoveryError", "StorageError"}
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    glue = {t.start[0] for t in tokens
+            if t.type == tokenize.COMMENT and t.string.startswith("# recovery glue")}  # fmt: skip
+    touching = {t.start[0] for t in tokens if t.type == tokenize.NAME and t.string in names}
+    assert sorted(touching - glue) == []
+    assert 10 <= len(glue) < 40, len(glue)
+
+
+def _two_owners():
+    spec = importlib.util.spec_from_file_location(
+        "two_owners", REPO / "functional_tests" / "two_owners.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_two_owner_check_sees_every_write_under_the_run(tmp_path):
+    """Between two states of the location: a file added, one changed, one removed, a new
+    directory, a log line appended and a log rewritten are each reported (by kind), and a
+    location left alone reports nothing."""
+    to = _two_owners()
+    run = tmp_path / "run"
+    (run / "trainer" / "step-000001").mkdir(parents=True)
+    (run / "trainer" / "step-000001" / "meta.json").write_text("{}")
+    (run / "batches").mkdir()
+    (run / "batches" / "step-000001.arrow").write_bytes(b"a")
+    (run / "steps.jsonl").write_text('{"step": 1}\n')
+    (run / "checkpoints.jsonl").write_text('{"a": 1}\n')
+    before = to.State(run)
+    assert to.wrote(before, to.State(run))["touched"] == 0
+    (run / "trainer" / "step-000001" / "meta.json").write_text('{"x": 1}')
+    (run / "batches" / "step-000001.arrow").unlink()
+    (run / "token_log" / "w0").mkdir(parents=True)
+    (run / "token_log" / "w0" / "000.arrow").write_bytes(b"t")
+    (run / "steps.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (run / "checkpoints.jsonl").write_text('{"b": 1}\n')
+    w = to.wrote(before, to.State(run))
+    assert w["changed"] == ["trainer/step-000001/meta.json"]
+    assert w["removed"] == ["batches/step-000001.arrow"]
+    assert w["directories_added"] == ["token_log", "token_log/w0"]
+    assert w["files"] == {"trainer": ["trainer/step-000001/meta.json"],
+                          "token_log": ["token_log/w0/000.arrow"]}  # fmt: skip
+    assert w["logs"] == {"steps.jsonl": {"appended": 1, "rewritten": False},
+                         "checkpoints.jsonl": {"appended": 0, "rewritten": True}}  # fmt: skip
