@@ -328,7 +328,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             frozen_at = time.time()
             time.sleep(0.1)  # outputs already sent reach the workers' counters
             try:
-                before = read_engine_records(workers, args.token)
+                engine = read_engine_records(workers, args.token)
             except httpx.HTTPError:  # fatal, unless the run was stopping its workers
                 if not run_ending(run_dir):
                     raise
@@ -344,7 +344,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
                 kill_at = None
                 continue
             since = frozen_at - snapshot_time(chosen["snapshot"])
-            chosen |= {"engine_before": before, "kill_delay_s": delay, "after_snapshot_s": since}
+            chosen |= {"engine_before": engine, "kill_delay_s": delay, "after_snapshot_s": since}
         time.sleep(0.05)
     tree |= descendants(proc.pid)
     note(foreign, signal_own(tree, signal.SIGKILL, pgid=proc.pid))

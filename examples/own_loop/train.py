@@ -1,7 +1,7 @@
 """A training loop of one's own on rollout_recovery: plain PyTorch, crash-safe rollouts.
 
     python examples/own_loop/train.py --config examples/own_loop/config.yaml [--restore]
-        [key=value ...]
+        [--ray-address ADDRESS] [key=value ...]
 
 The same arguments as `rollout-recovery train`. Everything about the model, the optimizer, the
 learning-rate schedule, the reward (letters_reward.py) and the checkpoint format is this

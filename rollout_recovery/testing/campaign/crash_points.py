@@ -223,17 +223,19 @@ def published_states(run_dir: str) -> dict[str, dict]:
 
 
 def trainer_checkpoint_digest(run_dir: str, step: int) -> dict[str, str]:
-    """sha256 of every file of a trainer checkpoint but its log record (timings)."""
+    """sha256 of every file of a trainer checkpoint but its log record (timings) and a
+    write's leftover temporary file (an orphan, reported as one)."""
     import hashlib
 
     from rollout_recovery.controller.trainer_checkpoints import STEP_RECORD, trainer_dir
+    from rollout_recovery.storage import TMP_MARK
 
     storage = _storage(run_dir)
     where = trainer_dir(step)
     return {
         name: hashlib.sha256(storage.read_bytes(f"{where}/{name}")).hexdigest()
         for name in storage.list_dir(where)
-        if name != STEP_RECORD
+        if name != STEP_RECORD and TMP_MARK not in name
     }
 
 
