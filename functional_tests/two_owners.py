@@ -17,9 +17,9 @@ stop without writing a byte there, and the run goes on from the newer one's hist
    (SIGCONT) and must exit non-zero within --fence-timeout s with exactly one line on stderr,
    saying it no longer owns the run and naming B's claim; then nothing under checkpoint_dir
    may have changed, appeared or disappeared, and none of A's processes may be left.
-4. C: `--restore` with grpo.steps=S+1 continues B's history: its restore selects B's newest
-   snapshot, the step log gets step S+1 after B's lines, and every trainer checkpoint of a step
-   <= S it keeps is the bytes B left.
+4. C (unless --no-successor): `--restore` with grpo.steps=S+1 continues B's history: its
+   restore selects B's newest snapshot, the step log gets step S+1 after B's lines, and every
+   trainer checkpoint of a step <= S it keeps is the bytes B left.
 
 Writes DIR/parity.json: per actor (A before the freeze, B, A after the thaw, C) what it wrote
 (files by kind, log lines, snapshots, ownership entries), its claim and when it was fenced,
@@ -379,15 +379,18 @@ def check(args) -> dict:
                                   "stderr": lines, "processes_left": left},
                        "wrote": wrote(after_b, after_a)})  # fmt: skip
 
-        c, c_s, c_again = restore_to_end(args, "C", args.steps + 1, started)
-        after_c = State(args.run_dir)
-        actors.append({"actor": "C", "exit": c.returncode, "ran_s": c_s, "ray_retries": c_again,
-                       "wrote": wrote(after_a, after_c)})  # fmt: skip
+        after_c = None
+        if not args.no_successor:
+            c, c_s, c_again = restore_to_end(args, "C", args.steps + 1, started)
+            after_c = State(args.run_dir)
+            actors.append({"actor": "C", "exit": c.returncode, "ran_s": c_s,
+                           "ray_retries": c_again, "wrote": wrote(after_a, after_c)})  # fmt: skip
     finally:
         for proc in started:
             if proc.poll() is None:
                 stop(proc, tree if proc is started[0] else set())
-    states = {"frozen": frozen, "after_b": after_b, "after_a": after_a, "after_c": after_c}
+    states = {"frozen": frozen, "after_b": after_b, "after_a": after_a}
+    states |= {"after_c": after_c} if after_c is not None else {}
     violations = verdict(args, actors, states)
     return {"steps": args.steps, "fault": args.fault, "train": str(args.train),
             "config": str(args.config), "checkpoint_dir": str(args.run_dir),
@@ -398,18 +401,22 @@ def check(args) -> dict:
 def verdict(args, actors: list[dict], states: dict[str, State]) -> list[str]:
     """Each violation names its property: [fencing] (the stale owner stopped, said so in one
     line and wrote nothing), [claim] (B and C took the run over and published), [history]
-    (C continued B's run), [logs] (the logs only ever grew)."""
-    a0, b, a1, c = actors
+    (C continued B's run; not checked with --no-successor), [logs] (the logs only ever grew)."""
+    a0, b, a1, *successor = actors
     out = []
-    claims = {x["actor"]: claim_of(x) for x in (a0, b, c)}
-    for x in (a0, b, c):
+    restorers = [(b, "B"), *((c, "C") for c in successor)]
+    claims = {x["actor"]: claim_of(x) for x in (a0, b, *successor)}
+    claims.setdefault("C", None)
+    for x in (a0, b, *successor):
         x["claim"] = claims[x["actor"]]
     # Who took the run over from whom (the claim that fences the one before).
     a0["superseded_by"] = a1["superseded_by"] = claims["B"]
-    b["superseded_by"], c["superseded_by"] = claims["C"], None
+    b["superseded_by"] = claims["C"]
+    for c in successor:
+        c["superseded_by"] = None
     if not a0["frozen"]["mid_generation"]:
         out.append("[precondition] A had leased the batch of the step it was frozen in")
-    for x, name in ((b, "B"), (c, "C")):
+    for x, name in restorers:
         if x["exit"] != 0:
             out.append(f"[claim] {name} exited {x['exit']}: {last_line(args, name)!r}")
     if claims["B"] is None or claims["A before the freeze"] is None:
@@ -451,7 +458,20 @@ def verdict(args, actors: list[dict], states: dict[str, State]) -> list[str]:
     if w["logs"]:
         out.append(f"[fencing] A after the thaw appended to the logs: {w['logs']}")
 
-    # C continues B's history.
+    if successor:
+        out += history(args, b, b_epoch, states)
+    # Every log only grew, from the first state to the last.
+    order = list(states.values())
+    for old, new_state in itertools.pairwise(order):
+        for name in LOGS:
+            if not new_state.logs[name].startswith(old.logs[name]):
+                out.append(f"[logs] {name} was rewritten, not appended to")
+    return out
+
+
+def history(args, b: dict, b_epoch: int | None, states: dict[str, State]) -> list[str]:
+    """[history]: C restored B's newest snapshot and went on from B's steps and checkpoints."""
+    out = []
     after_b, after_c = states["after_b"], states["after_c"]
     b_newest = [e["snapshot"] for e in after_b.publications() if e["epoch"] == b_epoch][-1:]
     restores = [r for r in step_lines(after_c.logs["steps.jsonl"]) if r.get("event") == "restore"]
@@ -473,13 +493,6 @@ def verdict(args, actors: list[dict], states: dict[str, State]) -> list[str]:
     newest = f"trainer/step-{args.steps:06d}/meta.json"
     if newest not in kept or newest not in b["wrote"]["files"].get("trainer", []):
         out.append(f"[history] {newest} (B's last checkpoint) is not kept as B wrote it")
-
-    # Every log only grew, from the first state to the last.
-    order = list(states.values())
-    for old, new_state in itertools.pairwise(order):
-        for name in LOGS:
-            if not new_state.logs[name].startswith(old.logs[name]):
-                out.append(f"[logs] {name} was rewritten, not appended to")
     return out
 
 
@@ -522,6 +535,8 @@ def main() -> int:
     ap.add_argument("--phase-timeout", type=float, default=600, help="s each run may take")
     ap.add_argument("--fence-timeout", type=float, default=120,
                     help="s A may take to stop after the thaw")  # fmt: skip
+    ap.add_argument("--no-successor", action="store_true",
+                    help="stop after the thaw: no C (no [history] checks)")  # fmt: skip
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
     if args.steps < 2:

@@ -232,6 +232,7 @@ class CheckpointCoordinator:
             records = await self.env.commit(ckpt_id)
             crash_point("episodes_committed")
             t = timed("commit_s", t)
+            self.storage.check_owner("creating a snapshot")  # the freeze makes its directory
             frozen = await self.store.afreeze(
                 self.snapshot_root, full_every, deadline=t0 + timeout, gate=gate
             )
@@ -239,6 +240,9 @@ class CheckpointCoordinator:
             return cuts, records, frozen
 
         async def publish(records, frozen):
+            # Again right before the files: an owner paused mid-attempt (after the check above)
+            # and woken after a restore must not write its snapshot's files.
+            self.storage.check_owner("writing a snapshot")
             return await self.store.awrite(
                 frozen,
                 meta={"trainer_step": str(self.state.step), "reason": reason},

@@ -365,3 +365,49 @@ async def test_the_coordinator_stops_when_fenced(make_store, tmp_path):
         assert StagingStore.latest(coordinator.snapshot_root) == first["checkpoint"]
         lines = storage.read_lines("checkpoints.jsonl")
         assert "fenced" in lines[-1] and f"epoch {newer.epoch}" in lines[-1]
+
+
+@pytest.mark.parametrize("claimed_in", ["commit", "freeze", "freeze, unchecked"])
+async def test_an_owner_paused_mid_attempt_writes_no_snapshot_file(
+    make_store, tmp_path, claimed_in
+):
+    """The newer claim lands in the middle of an attempt, after the check at its start: while
+    it commits the episodes (refused before the freeze makes the snapshot's directory) or while
+    it freezes (refused before its shards write a file; the directory stays, empty and
+    unpublished). Broken on purpose (the check before the write skipped), the stale owner's
+    shards write the snapshot's files and only its publication is refused."""
+    from rollout_recovery.data_plane.ownership import Fence
+
+    def snapshot_files(root: str) -> dict[str, list[str]]:
+        return {p.name: sorted(f.name for f in p.rglob("*") if f.is_file())
+                for p in Path(root).iterdir() if p.name.startswith("snapshot-")}  # fmt: skip
+
+    run_dir = tmp_path / "run"
+    with coordinator_without_engines(make_store(1), run_dir) as (coordinator, env, storage):
+        fenced = storage.fenced(Fence.of(coordinator.snapshot_root, coordinator.owner))
+        coordinator.storage = fenced
+        await coordinator.counted("trainer_checkpoint")
+        first = snapshot_files(coordinator.snapshot_root)
+        stage = (env, "commit") if claimed_in == "commit" else (coordinator.store, "afreeze")
+        original = getattr(*stage)
+
+        async def then_claimed(*args, **kwargs):
+            out = await original(*args, **kwargs)
+            StagingStore.claim(coordinator.snapshot_root)
+            return out
+
+        setattr(*stage, then_claimed)
+        if claimed_in == "freeze, unchecked":
+            check = fenced.check_owner
+            fenced.check_owner = lambda doing: doing == "writing a snapshot" or check(doing)
+        with pytest.raises(OwnerFenced) as refused:
+            await coordinator.attempt("trainer_checkpoint")
+        after = snapshot_files(coordinator.snapshot_root)
+    new = {name: files for name, files in after.items() if name not in first}
+    if claimed_in == "commit":
+        assert "creating a snapshot" in str(refused.value) and new == {}
+    elif claimed_in == "freeze":
+        assert "writing a snapshot" in str(refused.value) and list(new.values()) == [[]]
+    else:
+        [files] = new.values()
+        assert files, "the stale owner's snapshot files landed"

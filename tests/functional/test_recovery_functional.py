@@ -201,9 +201,11 @@ def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
                                    "--kill", "engine", *FAILOVER_ARGS, "--reference",
                                    str(runs["failover"] / "reference"), "--fault",
                                    "token_log_rows_corrupted"],
-        # A fresh two-owner check (it restores nothing of another's), its runs unfenced.
+        # A fresh two-owner check (it restores nothing of another's), its runs unfenced, to the
+        # verdict on the thawed A (a C adds nothing to it).
         "fencing_disabled": [str(TWO_OWNERS), "--out", str(outs["fencing_disabled"]),
-                             *TWO_OWNERS_ARGS, "--fault", "fencing_disabled"],
+                             *TWO_OWNERS_ARGS, "--fault", "fencing_disabled", "--no-successor",
+                             "--fence-timeout", "60"],
     }  # fmt: skip
     procs = {name: subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -428,5 +430,6 @@ def test_the_two_owner_check_fails_when_writes_are_not_fenced(broken):
     report = _report(out)
     assert report["fault"] == "fencing_disabled" and report["actors"][2]["wrote"]["touched"] > 0
     assert any(v.startswith("[fencing] A after the thaw") for v in report["violations"])
-    assert all(v.split("]")[0] in ("[fencing", "[history", "[logs")
-               for v in report["violations"])  # fmt: skip
+    actors = [a["actor"] for a in report["actors"]]
+    assert actors == ["A before the freeze", "B", "A after the thaw"]
+    assert all(v.split("]")[0] in ("[fencing", "[logs") for v in report["violations"])
