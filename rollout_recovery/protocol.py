@@ -63,6 +63,26 @@ REQUEST_FIELDS = frozenset(
      *RESUME_ARGS}
 )  # fmt: skip
 
+# Response header of an identified, non-streamed call: the weight-version spans of its
+# generated tokens as JSON `[[version, start, end], ...]` (data_plane/spans.py).
+WEIGHT_VERSIONS_HEADER = "x-rollout-recovery-weight-versions"
+
+
+def encode_spans(spans) -> str:
+    return json.dumps([list(s) for s in spans], separators=(",", ":"))
+
+
+def decode_spans(text: str) -> list[tuple[int, int, int]]:
+    """ValueError unless `text` is a list of [version, start, end] integer triples."""
+    data = json.loads(text)
+    if not isinstance(data, list) or not all(
+        isinstance(s, list) and len(s) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in s)
+        for s in data
+    ):  # fmt: skip
+        raise ValueError(f"{WEIGHT_VERSIONS_HEADER} must be [[version, start, end], ...]")
+    return [tuple(s) for s in data]
+
 
 def rollout_id(group_id: str, index: int) -> str:
     """The rollout id of a group's `index`-th generation."""

@@ -5,8 +5,9 @@ sees a continuation (generation/resume.py), the environment before moving a dead
 (environment/migration.py), and the controller before extending a restored call from its
 token log (controller/token_log_restore.py). It needs no engine: rows, digests and identities only.
 A chain is refused, with a named reason, when a chunk is missing, out of order, of another call
-or a later attempt, miscounted, fails its chained digest, decreases in weight version, ends
-early, or was staged for another prompt; a refused call is generated from scratch.
+or a later attempt, miscounted, fails its chained digest, has weight-version spans that do not
+cover its tokens or decrease in version, ends early, or was staged for another prompt; a
+refused call is generated from scratch. A checked prefix keeps its tokens' weight versions.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from rollout_recovery.data_plane.digest import CHAIN_ROOT, chain_digest, finish_digest
+from rollout_recovery.data_plane.spans import Span, SpanError, check_spans, merged
 from rollout_recovery.protocol import CallIdentity, Continuation
 
 
@@ -41,7 +43,8 @@ class Prefix:
     prompt_ids: list[int]
     ids: np.ndarray
     logprobs: np.ndarray | None  # None when a chunk was staged without logprobs
-    weight_version: int
+    weight_version: int  # the newest of weight_versions
+    weight_versions: list[Span] = field(default_factory=list)  # of the prefix's tokens
     keys: list[str] = field(default_factory=list)  # the earlier attempt's chunk rows
     finish: tuple[str, Any] | None = None  # (finish_reason, stop_reason) recorded at the cut
     done: tuple[str, Any] | None = None  # the prefix already ended the call: answer it
@@ -62,7 +65,7 @@ def validate_chunks(
         raise ResumeRefused("missing_chunk", "no staged rows")
     if [r.key for r in rows] != keys:
         raise ResumeRefused("missing_chunk", "not every staging key was found")
-    prev, digest, versions = 0, CHAIN_ROOT, []
+    prev, digest, spans = 0, CHAIN_ROOT, []
     for seq, row in enumerate(rows):
         if (row.rollout_id, row.model_call_id) != identity[:2] or row.attempt >= identity.attempt:
             raise ResumeRefused("foreign_chunk", f"{row.key} belongs to another call or attempt")
@@ -78,9 +81,13 @@ def validate_chunks(
             digest = finish_digest(digest, row.finish_reason, row.stop_reason_json)
         if digest != row.digest:
             raise ResumeRefused("digest_mismatch", f"{row.key} fails its chained digest")
+        try:
+            check_spans(row.version_spans(), prev, prev + row.delta_len)
+        except SpanError as err:
+            raise ResumeRefused("weight_version_spans", f"{row.key}: {err}") from None
         prev += row.delta_len
-        versions.append(row.weight_version)
-    if any(b < a for a, b in itertools.pairwise(versions)):
+        spans += row.version_spans()
+    if any(b[0] < a[0] for a, b in itertools.pairwise(spans)):
         raise ResumeRefused("weight_version_order", "weight versions decrease")
     if prev != expected_tokens:
         raise ResumeRefused("prefix_length_mismatch", f"{prev} staged, {expected_tokens} expected")
@@ -103,7 +110,8 @@ def validate_chunks(
         prompt_ids=list(prompt_ids),
         ids=np.concatenate([r.token_ids for r in rows]),
         logprobs=None if any(lp is None for lp in lps) else np.concatenate(lps),
-        weight_version=versions[-1],
+        weight_version=rows[-1].weight_version,
+        weight_versions=merged(spans),
         finish=finish,
     )
 

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from rollout_recovery.data_plane.errors import SchemaMismatchError, SchemaVersionError
+from rollout_recovery.data_plane.spans import Span
 
 KIND_KEY = b"rollout_recovery.row_kind"
 VERSION_KEY = b"rollout_recovery.schema_version"
@@ -35,10 +36,11 @@ def _schema(kind: str, version: int, fields: list[pa.Field]) -> pa.Schema:
 
 
 # v2: nullable logprobs; finish_reason / stop_reason_json on the chunk that ends a finished
-# call (its digest seals them, see digest.finish_digest).
+# call (its digest seals them, see digest.finish_digest). v3: weight_versions, the spans of the
+# chunk's own tokens (data_plane/spans.py); weight_version is the newest of them.
 CHUNK_ROW_SCHEMA = _schema(
     "chunk_row",
-    2,
+    3,
     [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("model_call_id", pa.string(), nullable=False),
@@ -54,6 +56,7 @@ CHUNK_ROW_SCHEMA = _schema(
         pa.field("digest", _DIGEST, nullable=False),
         pa.field("finish_reason", pa.string()),  # set only on a finished call's last chunk
         pa.field("stop_reason_json", pa.string()),  # vLLM's stop_reason (token id or string)
+        pa.field("weight_versions", _SPANS),  # null in v2 rows: weight_version for every token
     ],
 )
 
@@ -75,10 +78,12 @@ TERMINAL_ROW_SCHEMA = _schema(
     ],
 )
 
-# v2: nullable logprobs (training refuses a row without them).
+# v2: nullable logprobs (training refuses a row without them). v3: weight_versions, the spans
+# of the generated tokens at their positions in token_ids (null: the worker reported none, and
+# weight_version_min/max are the version the episode was started on).
 REPLAY_ROW_SCHEMA = _schema(
     "replay_row",
-    2,
+    3,
     [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("group_id", pa.string(), nullable=False),
@@ -90,6 +95,7 @@ REPLAY_ROW_SCHEMA = _schema(
         pa.field("reward", pa.float64(), nullable=False),
         pa.field("weight_version_min", pa.int64(), nullable=False),
         pa.field("weight_version_max", pa.int64(), nullable=False),
+        pa.field("weight_versions", _SPANS),
     ],
 )
 
@@ -140,7 +146,8 @@ def check_version(kind: str, version: int | None, where: str) -> None:
 
 # Columns added after version 1, per row kind: rows of an older version get them as nulls.
 ADDED_COLUMNS: dict[str, dict[str, int]] = {
-    "chunk_row": {"finish_reason": 2, "stop_reason_json": 2},
+    "chunk_row": {"finish_reason": 2, "stop_reason_json": 2, "weight_versions": 3},
+    "replay_row": {"weight_versions": 3},
 }
 
 
@@ -255,10 +262,17 @@ class ChunkRow:
     prompt_token_ids: np.ndarray | None = None
     finish_reason: str | None = None  # the call finished with this chunk (a terminal cut)
     stop_reason_json: str | None = None
+    weight_versions: list[Span] | None = None  # None (a v2 row): weight_version throughout
 
     @property
     def delta_len(self) -> int:
         return len(self.token_ids)
+
+    def version_spans(self) -> list[Span]:
+        """The spans of this chunk's tokens, [prev_len, cum_len)."""
+        if self.weight_versions is not None:
+            return list(self.weight_versions)
+        return [(self.weight_version, self.prev_len, self.cum_len)] if self.delta_len else []
 
     @property
     def cum_len(self) -> int:
@@ -297,6 +311,7 @@ class ReplayRow:
     reward: float
     weight_version_min: int
     weight_version_max: int
+    weight_versions: list[Span] | None = None  # of the generated tokens, at their positions
 
 
 def chunk_rows_to_table(rows: list[ChunkRow]) -> pa.Table:
@@ -317,6 +332,7 @@ def chunk_rows_to_table(rows: list[ChunkRow]) -> pa.Table:
             pa.array([r.digest for r in rows], _DIGEST),
             pa.array([r.finish_reason for r in rows], pa.string()),
             pa.array([r.stop_reason_json for r in rows], pa.string()),
+            spans_array([r.weight_versions for r in rows]),
         ],
         schema=CHUNK_ROW_SCHEMA,
     )
@@ -327,6 +343,7 @@ def table_to_chunk_rows(table: pa.Table) -> list[ChunkRow]:
     cols = {n: table.column(n).to_pylist() for n in _SCALARS_CHUNK}
     prompts = _nullable_list_rows(table, "prompt_token_ids")
     toks, lps = list_rows(table, "token_ids"), _nullable_list_rows(table, "logprobs")
+    spans = spans_rows(table)
     return [
         ChunkRow(
             key=cols["key"][i],
@@ -342,6 +359,7 @@ def table_to_chunk_rows(table: pa.Table) -> list[ChunkRow]:
             prompt_token_ids=prompts[i],
             finish_reason=cols["finish_reason"][i],
             stop_reason_json=cols["stop_reason_json"][i],
+            weight_versions=spans[i],
         )
         for i in range(table.num_rows)
     ]
@@ -359,6 +377,22 @@ _SCALARS_CHUNK = (
     "finish_reason",
     "stop_reason_json",
 )
+
+
+def spans_array(rows: list[list[Span] | None]) -> pa.Array:
+    """A weight_versions column (a null row: no spans recorded)."""
+    return pa.array(
+        [None if r is None else [{"version": v, "start": s, "end": e} for v, s, e in r]
+         for r in rows],
+        _SPANS,
+    )  # fmt: skip
+
+
+def spans_rows(table: pa.Table) -> list[list[Span] | None]:
+    return [
+        None if r is None else [(s["version"], s["start"], s["end"]) for s in r]
+        for r in table.column("weight_versions").to_pylist()
+    ]
 
 
 def _nullable_list_rows(table: pa.Table, name: str) -> list[np.ndarray | None]:
@@ -379,13 +413,7 @@ def terminal_rows_to_table(rows: list[TerminalRow]) -> pa.Table:
             list_array([r.logprobs for r in rows], "float32", nullable_rows=True),
             list_array([r.loss_mask for r in rows], "int8"),
             pa.array([r.finish_reason for r in rows], pa.string()),
-            pa.array(
-                [
-                    [{"version": v, "start": s, "end": e} for v, s, e in r.weight_versions]
-                    for r in rows
-                ],
-                _SPANS,
-            ),
+            spans_array([r.weight_versions for r in rows]),
             pa.array([r.digest for r in rows], _DIGEST),
         ],
         schema=TERMINAL_ROW_SCHEMA,
@@ -398,7 +426,7 @@ def table_to_terminal_rows(table: pa.Table) -> list[TerminalRow]:
         n: table.column(n).to_pylist()
         for n in ("key", "rollout_id", "model_call_id", "attempt", "finish_reason", "digest")
     }
-    spans = table.column("weight_versions").to_pylist()
+    spans = spans_rows(table)
     lists = {n: list_rows(table, n) for n in ("prompt_token_ids", "token_ids", "loss_mask")}
     lists["logprobs"] = _nullable_list_rows(table, "logprobs")
     return [
@@ -412,7 +440,7 @@ def table_to_terminal_rows(table: pa.Table) -> list[TerminalRow]:
             logprobs=lists["logprobs"][i],
             loss_mask=lists["loss_mask"][i],
             finish_reason=sc["finish_reason"][i],
-            weight_versions=[(s["version"], s["start"], s["end"]) for s in spans[i]],
+            weight_versions=spans[i],
             digest=sc["digest"][i],
         )
         for i in range(table.num_rows)
@@ -439,6 +467,8 @@ def replay_rows_to_table(rows: list[ReplayRow]) -> pa.Table:
             dtype = {"token_ids": "int32", "loss_mask": "int8", "logprobs": "float32"}[f.name]
             values = [getattr(r, f.name) for r in rows]
             arrays.append(list_array(values, dtype, nullable_rows=f.name == "logprobs"))
+        elif f.name == "weight_versions":
+            arrays.append(spans_array([r.weight_versions for r in rows]))
         else:
             arrays.append(pa.array([getattr(r, f.name) for r in rows], types[f.name]))
     return pa.Table.from_arrays(arrays, schema=REPLAY_ROW_SCHEMA)
@@ -449,10 +479,12 @@ def table_to_replay_rows(table: pa.Table) -> list[ReplayRow]:
     sc = {n: table.column(n).to_pylist() for n in _REPLAY_SCALARS}
     lists = {n: list_rows(table, n) for n in ("token_ids", "loss_mask")}
     lists["logprobs"] = _nullable_list_rows(table, "logprobs")
+    spans = spans_rows(table)
     return [
         ReplayRow(
             **{n: sc[n][i] for n in _REPLAY_SCALARS},
             **{n: lists[n][i] for n in lists},
+            weight_versions=spans[i],
         )
         for i in range(table.num_rows)
     ]

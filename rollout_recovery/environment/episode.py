@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rollout_recovery.data_plane import ReplayRow
+from rollout_recovery.data_plane.spans import Span, shifted, version_range
 from rollout_recovery.environment.context import JournalDiverged
 from rollout_recovery.environment.token_entry import TokenEntry
 from rollout_recovery.protocol import (
@@ -143,14 +144,17 @@ def _identity(rec: EpisodeRecord) -> dict[str, Any]:
 
 def replay_row(ep: EpisodeState, reward: float, weight_version: int) -> ReplayRow:
     """The training row of a finished episode: the last call's prompt and generated tokens,
-    with the loss mask and logprobs on every turn's generated tokens. Each turn's tokens must
-    sit where the next call's prompt put them, otherwise the episode fails closed."""
+    with the loss mask, logprobs and weight-version spans on every turn's generated tokens.
+    Each turn's tokens must sit where the next call's prompt put them, otherwise the episode
+    fails closed. Without spans from every call, the row records `weight_version` (the one the
+    episode started on) as its oldest and newest version and no spans."""
     if not ep.turns:
         raise TrajectoryError(f"{ep.rollout_id}: the episode function made no model call")
     last = ep.turns[-1]
     ids = np.asarray(last.cumulative_ids(), np.int32)
     mask = np.zeros(len(ids), np.int8)
     logprobs = np.zeros(len(ids), np.float32)
+    spans: list[Span] | None = []
     for e in ep.turns:
         start, gen = len(e.prompt_token_ids), e.generated_token_ids
         if ids[start : start + len(gen)].tolist() != gen:
@@ -160,6 +164,11 @@ def replay_row(ep: EpisodeState, reward: float, weight_version: int) -> ReplayRo
             )
         mask[start : start + len(gen)] = 1
         logprobs[start : start + len(gen)] = e.generated_logprobs
+        if spans is not None and e.generated_weight_versions is not None:
+            spans += shifted(e.generated_weight_versions, start)
+        else:
+            spans = None
+    oldest, newest = version_range(spans or []) or (weight_version, weight_version)
     first = ep.turns[0]
     return ReplayRow(
         key=replay_key(ep.group_id, ep.generation_index),
@@ -171,6 +180,7 @@ def replay_row(ep: EpisodeState, reward: float, weight_version: int) -> ReplayRo
         loss_mask=mask,
         logprobs=logprobs,
         reward=reward,
-        weight_version_min=weight_version,
-        weight_version_max=weight_version,
+        weight_version_min=oldest,
+        weight_version_max=newest,
+        weight_versions=spans,
     )

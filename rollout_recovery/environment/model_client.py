@@ -30,11 +30,12 @@ from typing import Any, NoReturn
 
 import httpx
 
+from rollout_recovery.data_plane.spans import Span, check_spans
 from rollout_recovery.environment.lineage import LineageStore, Resolution
 from rollout_recovery.environment.token_entry import ParentResolution, TokenEntry
 from rollout_recovery.environment.token_sink import TokenSink
 from rollout_recovery.environment.token_sources import TokenSourceError, capture_tokens
-from rollout_recovery.protocol import CallIdentity
+from rollout_recovery.protocol import WEIGHT_VERSIONS_HEADER, CallIdentity, decode_spans
 
 PREFIX_FIELD = "required_prefix_token_ids"
 
@@ -180,6 +181,7 @@ class ModelCallClient:
         if continues:
             self._check_prompt(call, bundle.prompt_token_ids, resolution, prefix, continues)
         choice = response["choices"][0]
+        spans = self._spans(resp.headers.get(WEIGHT_VERSIONS_HEADER), bundle.generated_token_ids)
         entry = TokenEntry.build(
             rollout_id=rollout_id,
             model_call_id=model_call_id,
@@ -193,6 +195,7 @@ class ModelCallClient:
             resolution_reason=resolution.reason,
             prefix_requested=prefix is not None,
             prefix_supplied=supplied,
+            generated_weight_versions=spans,
         )
         # Durable before any child can resolve to it; off the loop (a store put blocks).
         await asyncio.to_thread(self.sink.put, entry)
@@ -205,6 +208,20 @@ class ModelCallClient:
         self.lineage.record(rollout_id, model_call_id, messages, assistant, entry.cumulative_ids())
         self._finish[(rollout_id, model_call_id)] = entry.finish_reason
         return CallResult(entry, response, assistant, resolution, response_text)
+
+    def _spans(self, header: str | None, generated: list[int]) -> list[Span] | None:
+        """The weight-version spans the worker reported for the generated tokens; None (and
+        counted) when it reported none or ones that do not cover them."""
+        if header is None:
+            self.diagnostics.add("capture.weight_versions_missing")
+            return None
+        try:
+            spans = decode_spans(header)
+            check_spans(spans, 0, len(generated))
+        except ValueError:
+            self.diagnostics.add("capture.weight_versions_invalid")
+            return None
+        return spans
 
     def _refuse(self, reason: str, message: str) -> NoReturn:
         self.diagnostics.add(f"not_continued.{reason}")

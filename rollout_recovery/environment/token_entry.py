@@ -1,7 +1,9 @@
 """TokenEntry: the environment's record of one model call's exact tokens (schema v4).
 
 Versions: v1 identity and token arrays; v2 adds parent_call_id, cumulative length and digest;
-v3 adds the parent resolution; v4 adds prefix_requested / prefix_supplied. Older records load
+v3 adds the parent resolution; v4 adds prefix_requested / prefix_supplied; v5 adds
+generated_weight_versions (the weight-version spans of the generated tokens, as the worker
+reported them; None when it reported none). Older records load
 with the later fields at their defaults; a record newer than this reader, or older than its
 floor, is refused.
 """
@@ -17,9 +19,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout_recovery.data_plane.digest import token_digest
+from rollout_recovery.data_plane.spans import check_spans
 from rollout_recovery.protocol import ID_PATTERN, MAX_ID_LENGTH, CallIdentity
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 SCHEMA_FLOOR = 1
 
 
@@ -57,6 +60,8 @@ class TokenEntry(BaseModel):
     # v4
     prefix_requested: bool = False
     prefix_supplied: bool = False
+    # v5
+    generated_weight_versions: list[tuple[int, int, int]] | None = None
 
     @field_validator("generated_logprobs")
     @classmethod
@@ -84,6 +89,8 @@ class TokenEntry(BaseModel):
             raise ValueError(f"a {self.parent_resolution} entry must not name a parent")
         if self.prefix_supplied and not self.prefix_requested:
             raise ValueError("prefix_supplied requires prefix_requested")
+        if self.generated_weight_versions is not None:
+            check_spans(self.generated_weight_versions, 0, len(self.generated_token_ids))
         cum = self.cumulative_ids()
         if self.cumulative_len is not None and self.cumulative_len != len(cum):
             raise ValueError(f"cumulative_len {self.cumulative_len} != {len(cum)}")
@@ -109,7 +116,7 @@ class TokenEntry(BaseModel):
 
     @classmethod
     def build(cls, **fields: Any) -> TokenEntry:
-        """A v4 entry with cumulative length and digest filled in from the tokens."""
+        """An entry with cumulative length and digest filled in from the tokens."""
         cum = [*fields["prompt_token_ids"], *fields["generated_token_ids"]]
         return cls(cumulative_len=len(cum), cumulative_digest=token_digest(cum).hex(), **fields)
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from rollout_recovery.data_plane.digest import CHAIN_ROOT
+from rollout_recovery.data_plane.spans import Span, from_starts, resumed
 from rollout_recovery.generation.attempts import AttemptLog
 from rollout_recovery.generation.vllm_compat import AddedRequest, ProgressReader, Step
 from rollout_recovery.protocol import CallIdentity, identity_from_extra_args
@@ -43,7 +44,7 @@ class CapturedCall:
     superseded_keys: list[str] = field(default_factory=list)  # a resumed attempt's old chunks
     durable_floor: int = 0  # tokens durable in those old chunks (a resumed call's prefix)
     chain_digest: bytes = CHAIN_ROOT
-    weight_versions: list[int] = field(default_factory=list)  # per staged chunk
+    prefix_spans: list[Span] = field(default_factory=list)  # a resumed call's prefix's versions
     staged_at: float = field(default_factory=time.monotonic)  # its last row (or its start)
     finished: bool = False
     finish_reason: str | None = None
@@ -64,6 +65,16 @@ class CapturedCall:
 
     def num_generated(self) -> int:
         return self.reader.num_generated()
+
+    def spans(self, n: int) -> list[Span]:
+        """The weight-version spans of its first `n` tokens: a resumed call's prefix keeps its
+        own, the rest are the engine's (the version of the step that sampled each token; the
+        version the call started on where the engine reported none)."""
+        starts = [(int(v), s) for v, s in self.reader.weight_version_starts() if str(v).isdigit()]
+        tail = from_starts(starts, n, self.weight_version)
+        if not self.prefix_spans:
+            return tail
+        return resumed(self.prefix_spans, tail, self.durable_floor, n)
 
     def not_durable(self, count: int) -> int:
         """Of `count` tokens, how many are in no staged row yet (its own chain's, or, for a
@@ -100,6 +111,8 @@ class TokenCapture:
         self.attempts = AttemptLog(max_attempt_records)  # what the engine did, per attempt
         self.calls: dict[CallIdentity, CapturedCall] = {}
         self.completed: OrderedDict[CallIdentity, None] = OrderedDict()  # terminal rows staged
+        # The spans of each finished call, until its response takes them (bounded).
+        self.finished_spans: OrderedDict[CallIdentity, list[Span]] = OrderedDict()
         self.by_request: dict[str, CapturedCall] = {}
         self.on_finished = on_finished
         self.force_flat_logprobs = force_flat_logprobs
@@ -174,6 +187,7 @@ class TokenCapture:
                 self.calls.pop(call.identity, None)
                 continue
             call.finished, call.finish_reason, call.stop_reason = True, reason, stop
+            self.keep_spans(call.identity, call.spans(call.num_generated()))
             self.on_finished(call)
         if progressed and self.on_stepped is not None:
             self.on_stepped(progressed)
@@ -185,6 +199,16 @@ class TokenCapture:
             self.attempts.finished(call.identity, "abort")
             if self.calls.get(call.identity) is call:
                 del self.calls[call.identity]
+
+    def keep_spans(self, identity: CallIdentity, spans: list[Span]) -> None:
+        """A finished call's spans, for its response (`take_spans`)."""
+        self.finished_spans[identity] = spans
+        while len(self.finished_spans) > 4096:  # responses never read (a client gone)
+            self.finished_spans.popitem(last=False)
+
+    def take_spans(self, identity: CallIdentity) -> list[Span] | None:
+        with self.lock:
+            return self.finished_spans.pop(identity, None)
 
     def forget(self, call: CapturedCall) -> None:
         """Drop a call whose terminal row is durable (remembered as completed, bounded)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Annotated, ClassVar
 
@@ -19,15 +20,19 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from rollout_recovery.data_plane.spans import Span
 from rollout_recovery.generation import prefix_supply
 from rollout_recovery.generation.attempts import AttemptPage
 from rollout_recovery.generation.cut import CutService, InventoryTooLarge
 from rollout_recovery.generation.fence import MAX_EPOCH
 from rollout_recovery.protocol import (
+    WEIGHT_VERSIONS_HEADER,
     XARG_REQUIRED_PREFIX,
+    CallIdentity,
     CutInventory,
     CutReceipt,
     check_continuation_fields,
+    encode_spans,
     identity_from_extra_args,
 )
 
@@ -163,6 +168,9 @@ class RequestGate:
       tokenize fallback sees the prompt generation used. Other generation routes refuse it
       (completions has no conversation to continue; responses and messages would drop it
       silently), so supply could not be proven there.
+    - The response of an identified, non-streamed chat call carries its tokens' weight-version
+      spans in the `WEIGHT_VERSIONS_HEADER` header (`spans_of`: the capture's finished spans;
+      a streamed response goes out before its last token and has none).
     Other requests pass through untouched.
     """
 
@@ -172,9 +180,13 @@ class RequestGate:
         {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/tokenize"}
     )
 
-    def __init__(self, app, turn_end_ids: set[int], control_token: str | None = None) -> None:
+    def __init__(
+        self, app, turn_end_ids: set[int], control_token: str | None = None,
+        spans_of: Callable[[CallIdentity], list[Span] | None] | None = None,
+    ) -> None:  # fmt: skip
         self.app, self.turn_end_ids = app, turn_end_ids
         self.control_token = control_token.encode() if control_token else None
+        self.spans_of = spans_of
 
     def __getattr__(self, name: str):
         return getattr(self.app, name)  # uvicorn and vLLM look at app.state
@@ -198,10 +210,10 @@ class RequestGate:
             return await _reject(send, NESTED_TOO_DEEPLY)
         except ValueError:
             data = None  # vLLM answers malformed JSON itself
-        prefix = None
+        prefix, identity = None, None
         if isinstance(data, dict):
             try:
-                _check_identity(data)
+                identity = _check_identity(data)
                 prefix = self._take_prefix(scope["path"], data)
                 if prefix is not None:
                     body = json.dumps(data).encode()
@@ -214,7 +226,22 @@ class RequestGate:
         replay = _replay([{"type": "http.request", "body": body}], receive)
         if scope["path"] == "/tokenize" and prefix is not None:
             return await self._tokenize_with_prefix(scope, replay, send, prefix)
+        if identity is not None and self.spans_of is not None and not data.get("stream"):
+            send = self._with_spans(send, identity)
         return await self.app(scope, replay, send)
+
+    def _with_spans(self, send, identity: CallIdentity):
+        """`send` with the call's spans added to its response's headers (taken once)."""
+
+        async def send_with_spans(message: dict) -> None:
+            if message["type"] == "http.response.start" and message.get("status") == 200:
+                spans = self.spans_of(identity)
+                if spans is not None:
+                    header = (WEIGHT_VERSIONS_HEADER.encode(), encode_spans(spans).encode())
+                    message = message | {"headers": [*message.get("headers", []), header]}
+            await send(message)
+
+        return send_with_spans
 
     async def _control(self, scope, receive, send) -> None:
         """Token, then size, then the body: an unauthenticated or oversized request costs the
@@ -335,10 +362,11 @@ def _replay(messages: list[dict], receive):
     return replay
 
 
-def _check_identity(data: dict) -> None:
+def _check_identity(data: dict) -> CallIdentity | None:
     """The call identity and continuation fields as sent (vLLM's request model would turn a
-    JSON `true` into 1 before the engine sees it)."""
+    JSON `true` into 1 before the engine sees it); the identity, None when there is none."""
     xargs = data.get("vllm_xargs")
-    identity_from_extra_args(xargs if isinstance(xargs, dict) else None)
+    identity = identity_from_extra_args(xargs if isinstance(xargs, dict) else None)
     if isinstance(xargs, dict):
         check_continuation_fields(xargs)
+    return identity

@@ -32,6 +32,7 @@ from rollout_recovery.data_plane.schemas import (
     chunk_rows_to_table,
     terminal_rows_to_table,
 )
+from rollout_recovery.data_plane.spans import clipped
 from rollout_recovery.generation.capture import CapturedCall, TokenCapture
 from rollout_recovery.generation.fence import Fence
 from rollout_recovery.generation.metrics import WorkerMetrics
@@ -71,19 +72,6 @@ class _Plan:
     count: int
     ids: Sequence[int]
     finish: tuple[str, str | None] | None
-
-
-def _version_spans(call: CapturedCall, n: int) -> list[tuple[int, int, int]]:
-    """(version, start, end) spans of a call's tokens, from vLLM's per-request tracking."""
-    starts = [
-        (int(v), s) for v, s in call.reader.weight_version_starts() if s < n and str(v).isdigit()
-    ]
-    if not starts:
-        return [(call.weight_version, 0, n)]
-    if starts[0][1] > 0:
-        starts.insert(0, (call.weight_version, 0))
-    ends = [s for _, s in starts[1:]] + [n]
-    return [(v, s, e) for (v, s), e in zip(starts, ends, strict=True)]
 
 
 class CutService:
@@ -224,7 +212,6 @@ class CutService:
                 call.staged_tokens = row.cum_len
                 call.chain_digest = row.digest
                 call.chunk_keys.append(row.key)
-                call.weight_versions.append(row.weight_version)
                 call.finish_staged = row.finish_reason is not None
                 call.staged_at = time.monotonic()
                 out.append((p, row, None))
@@ -296,6 +283,7 @@ class CutService:
         reason, stop = p.finish if p.finish is not None else (None, None)
         if reason is not None:
             digest = finish_digest(digest, reason, stop)
+        spans = clipped(call.spans(p.count), start, p.count)
         return ChunkRow(
             key=call.identity.chunk_key(seq),
             rollout_id=call.identity.rollout_id,
@@ -304,7 +292,8 @@ class CutService:
             chunk_seq=seq,
             token_ids=ids,
             logprobs=call.sampled_logprobs(start, p.count),
-            weight_version=self.capture.weight_version,
+            weight_version=spans[-1][0] if spans else call.weight_version,
+            weight_versions=spans,
             prev_len=start,
             digest=digest,
             prompt_token_ids=call.prompt_token_ids if seq == 0 else None,
@@ -381,7 +370,7 @@ class CutService:
             logprobs=call.sampled_logprobs(0, n),
             loss_mask=np.ones(n, np.int8),
             finish_reason=call.finish_reason or "unknown",
-            weight_versions=_version_spans(call, n),
+            weight_versions=call.spans(n),
             digest=token_digest(ids),
         )
         deferred = self.fence.held

@@ -125,6 +125,8 @@ class Resumer:
                 original = copy.copy(sampling_params)
                 k = len(prefix.ids)
                 if prefix.done is not None:
+                    with self.capture.lock:  # for the response (control.RequestGate)
+                        self.capture.keep_spans(prefix.identity, prefix.weight_versions)
                     yield self._complete_output(request_id, prefix, original, *prefix.done)
                     self.capture.attempts.finished(prefix.identity, prefix.done[0])
                     self.retire(prefix.keys)
@@ -301,3 +303,4 @@ class Resumer:
         call.max_tokens = original.max_tokens
         call.superseded_keys = list(prefix.keys)  # deleted with this call's own chunks
         call.durable_floor = len(prefix.ids)  # durable already, in the earlier attempt's rows
+        call.prefix_spans = list(prefix.weight_versions)  # its tokens keep their versions

@@ -150,7 +150,8 @@ class GenerationWorker:
             capture=wiring.capture if wiring else None,
             resume=wiring.resumer.wrap if wiring else None,
         )
-        await host.serve(RequestGate(app, ends))
+        spans_of = wiring.capture.take_spans if wiring else None
+        await host.serve(RequestGate(app, ends, spans_of=spans_of))
         await host.warm_up()
         self._info = WorkerInfo(
             worker_index=self._index,

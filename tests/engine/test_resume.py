@@ -46,8 +46,11 @@ def _chat(url: str, rollout: str, attempt: int = 0, xargs: dict | None = None, *
     return resp.json()
 
 
-def _stage(store, rollout: str, out: dict, k: int, split: int | None = None) -> dict:
-    """Stage the first k tokens of a reference answer as chunk rows of attempt 0."""
+def _stage(
+    store, rollout: str, out: dict, k: int, split: int | None = None, version: int = 0
+) -> dict:
+    """Stage the first k tokens of a reference answer as chunk rows of attempt 0 (with
+    `split`, the first chunk sampled by weight version `version`, the second by the next)."""
     choice = out["choices"][0]
     ids = np.array(choice["token_ids"][:k], np.int32)
     lps = np.array([c["logprob"] for c in choice["logprobs"]["content"][:k]], np.float32)
@@ -63,7 +66,8 @@ def _stage(store, rollout: str, out: dict, k: int, split: int | None = None) -> 
             chunk_seq=seq,
             token_ids=deltas[seq],
             logprobs=lps[a:b],
-            weight_version=0,
+            weight_version=version + seq,
+            weight_versions=[(version + seq, a, b)],
             prev_len=a,
             digest=digests[seq],
             prompt_token_ids=np.array(out["prompt_token_ids"], np.int32) if seq == 0 else None,

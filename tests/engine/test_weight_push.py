@@ -89,3 +89,72 @@ def test_push_serves_new_weights_refuses_bad_ones_and_tags_versions(
     # Pushing the original weights back restores the original answers exactly.
     assert worker.push_weights(str(tiny_model_dir), 2) == 2
     assert _chat(url)["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+
+
+def test_weights_pushed_in_flight_are_recorded_per_token_for_the_caller_and_the_store(
+    capture_worker, tiny_model_dir, tmp_path
+):
+    """A push while a call decodes: the call goes on (paused, its KV recomputed on the new
+    weights), and its response header and its terminal row both record which tokens each
+    version sampled, split where the push landed."""
+    import threading
+    import time
+
+    from rollout_recovery.protocol import WEIGHT_VERSIONS_HEADER, decode_spans
+
+    worker, store = capture_worker
+    url = worker.info.url
+    version = worker.health().weight_version + 1
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 400, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": True, "return_token_ids": True,
+            "vllm_xargs": {"rr_rollout_id": "inflight", "rr_model_call_id": "c0"}}  # fmt: skip
+    out: dict = {}
+    call = threading.Thread(target=lambda: out.update(
+        resp=httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)))  # fmt: skip
+    call.start()
+    deadline = time.monotonic() + 60
+    while True:  # the engine's own count: the call has decoded tokens and has not finished
+        records = {r["rollout_id"]: r for r in worker.call_attempts(0)["attempts"]}
+        rec = records.get("inflight")
+        if rec and rec["decoded_tokens"] >= 8:
+            break
+        assert time.monotonic() < deadline and call.is_alive(), "the call never got going"
+        time.sleep(0.005)
+    assert not rec["finished"], "the call finished before the push: make it longer"
+    pushed = _variant(tiny_model_dir, tmp_path / "inflight", lambda t: t["lm_head.weight"].mul_(2))
+    worker.push_weights(pushed, version)
+    call.join(120)
+    resp = out["resp"]
+    assert resp.status_code == 200, resp.text
+    spans = decode_spans(resp.headers[WEIGHT_VERSIONS_HEADER])
+    [(old, s0, k), (new, k1, n)] = spans
+    assert (s0, k1, n, new) == (0, k, 400, version) and old < new and 8 <= k < 400
+    worker.drain()
+    table, _ = store.get("rollout_terminal", ["inflight/c0/a0/terminal"])
+    [row] = table_to_terminal_rows(table)
+    assert row.weight_versions == spans
+    assert worker.push_weights(str(tiny_model_dir), version + 1) == version + 1
+
+
+def test_a_resumed_call_keeps_its_prefix_versions(capture_worker):
+    """A call resumed from a prefix two older versions sampled: its response and terminal row
+    record those versions for the prefix's tokens and the worker's own for the tail."""
+    from rollout_recovery.protocol import WEIGHT_VERSIONS_HEADER, decode_spans
+    from tests.engine.test_resume import _body, _stage
+
+    worker, store = capture_worker
+    url = worker.info.url
+    current = worker.health().weight_version
+    assert current >= 2, "runs after the pushes above"
+    ref = httpx.post(f"{url}/v1/chat/completions", json=_body("spans-ref", ignore_eos=True),
+                     timeout=120).json()  # fmt: skip
+    cont = _stage(store, "spans-res", ref, 10, split=4, version=current - 2)
+    resp = httpx.post(f"{url}/v1/chat/completions", timeout=120,
+                      json=_body("spans-res", 1, cont, ignore_eos=True))  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    spans = decode_spans(resp.headers[WEIGHT_VERSIONS_HEADER])
+    assert spans == [(current - 2, 0, 4), (current - 1, 4, 10), (current, 10, 48)]
+    worker.drain()
+    table, _ = store.get("rollout_terminal", ["spans-res/c0/a1/terminal"])
+    assert table_to_terminal_rows(table)[0].weight_versions == spans

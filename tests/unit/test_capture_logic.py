@@ -251,15 +251,57 @@ async def test_calls_that_cannot_be_cut_get_named_reasons():
 
 
 async def test_weight_version_spans_come_from_the_reader():
-    from rollout_recovery.generation.cut import _version_spans
-
     worker = Worker()
     reader = FakeReader([1, 2, 3, 4], [-0.1] * 4)
     worker.start(reader)
     [call] = worker.capture.calls.values()
-    assert _version_spans(call, 4) == [(0, 0, 4)]
+    assert call.spans(4) == [(0, 0, 4)]
     reader.starts = [("0", 0), ("3", 2), ("not-a-version", 3)]
-    assert _version_spans(call, 4) == [(0, 0, 2), (3, 2, 4)]
+    assert call.spans(4) == [(0, 0, 2), (3, 2, 4)]
+
+
+async def test_each_chunk_carries_its_own_tokens_versions_and_a_resume_keeps_them():
+    """Weights pushed in flight (at token 3, then 5): each chunk row records the versions of its
+    own tokens, the checked prefix all of them, and the resumed attempt's tokens keep the
+    prefix's versions whatever the engine labels them (its tail is the engine's)."""
+    worker = Worker()
+    reader = FakeReader(IDS[:4], LPS[:4])
+    identity = worker.start(reader)
+    reader.starts = [("0", 0), ("1", 3)]
+    await worker.cut(identity)
+    reader.decode(IDS[4:], LPS[4:])
+    reader.starts.append(("2", 5))
+    [receipt] = await worker.cut(identity)
+    keys = Continuation.from_receipt(receipt).keys
+    assert [worker.store.chunk(k).weight_versions for k in keys] == [
+        [(0, 0, 3), (1, 3, 4)],
+        [(1, 4, 5), (2, 5, 6)],
+    ]
+    assert [worker.store.chunk(k).weight_version for k in keys] == [1, 2]
+    extra = CallIdentity(identity.rollout_id, "c0", 1).to_xargs()
+    extra |= Continuation.from_receipt(receipt).to_request_fields(limit=64)
+    prefix = await _prepare(worker, extra)
+    assert prefix.weight_versions == [(0, 0, 3), (1, 3, 5), (2, 5, 6)]
+    # The resumed attempt: the engine labels everything from its creation on version 3.
+    resumed = FakeReader([*IDS, 37, 38], [*LPS, -0.7, -0.8])
+    resumed.starts = [("3", 6)]
+    worker.start(resumed, attempt=1)
+    call = next(c for c in worker.capture.calls.values() if c.reader is resumed)
+    call.prefix_spans, call.durable_floor = prefix.weight_versions, 6
+    assert call.spans(8) == [(0, 0, 3), (1, 3, 5), (2, 5, 6), (3, 6, 8)]
+    resumed.starts = [("3", 0)]  # a label from before the prefix was transplanted
+    assert call.spans(8) == [(0, 0, 3), (1, 3, 5), (2, 5, 6), (3, 6, 8)]
+
+
+async def test_a_finished_calls_spans_wait_for_its_response_once():
+    worker = Worker()
+    reader = FakeReader([1, 2, 3], [-0.1] * 3)
+    identity = worker.start(reader)
+    reader.starts = [("0", 0), ("1", 2)]
+    request_id = f"{identity.rollout_id}-internal"
+    worker.capture.stepped([Step(request_id, 3, True, "stop", None)])
+    assert worker.capture.take_spans(identity) == [(0, 0, 2), (1, 2, 3)]
+    assert worker.capture.take_spans(identity) is None
 
 
 # ------------------------------------------------------------------ resume validation

@@ -145,6 +145,23 @@ def test_the_row_masks_every_turns_generated_tokens():
     np.testing.assert_array_equal(row.logprobs[3:5], np.float32([-0.5, -1.5]))
 
 
+def test_the_row_records_each_generated_tokens_weight_version_at_its_place():
+    """Three turns of two tokens at positions 3, 6 and 9; weights switched in the second turn.
+    One call without spans (a worker that reported none) leaves the row without spans, on
+    the version the episode started on."""
+    st, _ = _finished()
+    spans = [[(1, 0, 2)], [(1, 0, 1), (2, 1, 2)], [(2, 0, 2)]]
+    st.turns = [e.model_copy(update={"generated_weight_versions": s})
+                for e, s in zip(st.turns, spans, strict=True)]  # fmt: skip
+    row = replay_row(st, reward=0.5, weight_version=1)
+    assert row.weight_versions == [(1, 3, 5), (1, 6, 7), (2, 7, 8), (2, 9, 11)]
+    assert (row.weight_version_min, row.weight_version_max) == (1, 2)
+    st.turns[1] = st.turns[1].model_copy(update={"generated_weight_versions": None})
+    row = replay_row(st, reward=0.5, weight_version=1)
+    assert row.weight_versions is None
+    assert (row.weight_version_min, row.weight_version_max) == (1, 1)
+
+
 def test_a_turn_whose_tokens_were_re_rendered_fails_closed():
     st, _ = _finished()
     st.turns[1] = _entry("c1", [1, 2, 3, 10, 99, 2, 4], [11, 2])  # history re-tokenized

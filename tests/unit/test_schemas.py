@@ -108,8 +108,29 @@ def test_terminal_and_replay_rows_round_trip():
     table = replay_rows_to_table([r])
     assert table.schema.equals(REPLAY_ROW_SCHEMA, check_metadata=True)
     [rb] = table_to_replay_rows(table)
-    assert rb.reward == 0.75 and rb.weight_version_max == 4
+    assert rb.reward == 0.75 and rb.weight_version_max == 4 and rb.weight_versions is None
     np.testing.assert_array_equal(rb.token_ids, r.token_ids)
+    r.weight_versions = [(3, 2, 5), (4, 5, 6)]
+    [rb] = table_to_replay_rows(replay_rows_to_table([r]))
+    assert rb.weight_versions == [(3, 2, 5), (4, 5, 6)]
+
+
+def test_rows_of_an_older_version_read_with_their_versions_as_spans():
+    """A v2 chunk row (before spans) reads with its one version over all its tokens; a v2
+    replay row with no spans."""
+    rows = _chunks()
+    rows[0].weight_versions = [(2, 0, 1), (3, 1, 3)]
+    table = chunk_rows_to_table(rows)
+    assert [r.version_spans() for r in table_to_chunk_rows(table)] == [
+        [(2, 0, 1), (3, 1, 3)],
+        [(4, 3, 4)],
+    ]
+    v2 = table.drop_columns(["weight_versions"])
+    meta = dict(table.schema.metadata) | {b"rollout_recovery.schema_version": b"2"}
+    v2 = v2.replace_schema_metadata(meta)
+    old = table_to_chunk_rows(v2)
+    assert [r.weight_versions for r in old] == [None, None]
+    assert [r.version_spans() for r in old] == [[(3, 0, 3)], [(4, 3, 4)]]
 
 
 def test_token_columns_are_read_as_numpy_views():
@@ -122,7 +143,7 @@ def test_token_columns_are_read_as_numpy_views():
 
 def test_every_schema_is_versioned():
     versions = {kind: schema_version(schema) for kind, schema in SCHEMAS.items()}
-    assert versions == {"chunk_row": 2, "terminal_row": 2, "replay_row": 2, "token_entry_row": 1}
+    assert versions == {"chunk_row": 3, "terminal_row": 2, "replay_row": 3, "token_entry_row": 1}
     assert TERMINAL_ROW_SCHEMA.field("token_ids").type == pa.list_(pa.int32())
     assert TERMINAL_ROW_SCHEMA.field("logprobs").type == pa.list_(pa.float32())
 
@@ -152,7 +173,7 @@ def test_conform_refuses_wrong_types_missing_columns_and_nulls():
 def test_newer_rows_are_refused_with_upgrade_hint():
     table = chunk_rows_to_table(_chunks())
     meta = dict(table.schema.metadata)
-    meta[b"rollout_recovery.schema_version"] = b"3"
+    meta[b"rollout_recovery.schema_version"] = b"4"
     newer = table.replace_schema_metadata(meta)
     with pytest.raises(SchemaVersionError, match="upgrade rollout_recovery"):
         conform(newer, CHUNK_ROW_SCHEMA, "put")

@@ -110,8 +110,14 @@ def test_old_records_load_and_newer_are_refused():
     assert e2.parent_resolution == ParentResolution.RESOLVED and e2.parent_call_id == "c0"
     v3 = v1 | {"schema_version": 3, "parent_resolution": "ROOT"}
     assert read_token_entry(v3).parent_resolution == ParentResolution.ROOT
+    v4 = v1 | {"schema_version": 4, "prefix_requested": True}
+    assert read_token_entry(v4).generated_weight_versions is None
+    v5 = v1 | {"schema_version": 5, "generated_weight_versions": [[2, 0, 1]]}
+    assert read_token_entry(v5).generated_weight_versions == [(2, 0, 1)]
+    with pytest.raises(ValueError, match=r"does not continue at 0"):
+        read_token_entry(v5 | {"generated_weight_versions": [[2, 1, 2]]})
     with pytest.raises(TokenEntryVersionError, match="upgrade the reader"):
-        read_token_entry(v1 | {"schema_version": 5})
+        read_token_entry(v1 | {"schema_version": 6})
     with pytest.raises(TokenEntryVersionError, match="below this reader's floor"):
         read_token_entry(v1 | {"schema_version": 0})
 
