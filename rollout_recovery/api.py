@@ -49,13 +49,16 @@ from rollout_recovery.controller.lifecycle import claim_snapshot_root, close_job
 from rollout_recovery.controller.liveness import watch_step
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.restore import restore_run, with_token_log_uri
+from rollout_recovery.controller.stream import RolloutStream, StartedGroup
 from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
+from rollout_recovery.data_plane.errors import BadInputError
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
-from rollout_recovery.errors import RestoreError, RunStalled
+from rollout_recovery.errors import RecoveryError, RestoreError, RunStalled
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.placement import JobPlacement
+from rollout_recovery.protocol import EpisodeOutcome, replay_key
 from rollout_recovery.runtime import ActorProxy, LoopThread, init_ray
 from rollout_recovery.storage import RunStorage
 
@@ -67,6 +70,11 @@ class GroupResult:
     rewards: list[float]
     generated_tokens: int
     results: list  # what each episode function returned (None: finished before a restore)
+
+    @classmethod
+    def of(cls, group_id: str, outcomes: list[EpisodeOutcome]) -> GroupResult:
+        rows, decoded = [o.row for o in outcomes], sum(o.decoded_tokens for o in outcomes)
+        return cls(group_id, rows, [r.reward for r in rows], decoded, [o.result for o in outcomes])
 
 
 class RolloutRecovery:
@@ -91,6 +99,7 @@ class RolloutRecovery:
         self.supervisor: WorkerSupervisor | None = None  # failover.enabled
         self._supervision: Future | None = None
         self.placement: JobPlacement | None = None  # where the actors run (placement.py)
+        self.stream: RolloutStream | None = None  # asynchronous GRPO's groups (start_groups)
 
     def start(self, standalone_gateway: bool = False) -> RolloutRecovery:
         """Start the store, workers and environment (and, with `gateway.enabled`, the gateway
@@ -119,16 +128,63 @@ class RolloutRecovery:
         except RunStalled as err:
             self.metrics.add(f"run_stalled.{err.reason}")
             raise
-        parts = [(gid, out[gi * n : (gi + 1) * n]) for gi, (gid, _) in enumerate(groups)]
-        return [GroupResult(gid, [o.row for o in part], [o.row.reward for o in part],
-                            sum(o.decoded_tokens for o in part), [o.result for o in part])
-                for gid, part in parts]  # fmt: skip
+        return [GroupResult.of(gid, out[gi * n : (gi + 1) * n])
+                for gi, (gid, _) in enumerate(groups)]  # fmt: skip
+
+    # ------------------------------------------------------------------ asynchronous GRPO
+
+    def start_groups(self, groups: list[StartedGroup]) -> dict[str, int]:
+        """Start these groups now, without waiting for them (controller/stream.py): they
+        generate while the caller trains, checkpointed on the cadence. Returns the stream's
+        counts (groups in flight, finished and not taken)."""
+        if self.stream is None:
+            self.stream = RolloutStream(self.env, self.coordinator, self.state, self.cfg.liveness,
+                                        self.metrics, GroupResult.of)  # fmt: skip
+        self._loop.call(self.stream.start, groups)
+        return self._loop.call(self.stream.counts)
+
+    def finished_groups(self, n: int, timeout_s: float | None = None) -> list[GroupResult]:
+        """The `n` started groups that finished first, oldest first (waiting for them); a
+        group that failed, or a cadence that gave up, raises its error here."""
+        if self.stream is None:
+            raise BadInputError("no group was started: call start_groups first")
+        return self._loop.run(self.stream.take(n, timeout_s))
+
+    def take_groups(self, results: list[GroupResult], ttl_s: float = 600.0) -> LeaseResult:
+        """Lease exactly these groups' rows for training (others stay in the buffer)."""
+        keys = [replay_key(r.group_id, i) for r in results for i in range(len(r.rows))]
+        lease = self.store.lease_keys("replay", "trainer", keys, ttl_s)
+        got = set(lease.rows.column("key").to_pylist())
+        if got != set(keys):
+            missing = sorted(set(keys) - got)
+            raise RecoveryError(
+                f"{len(missing)} rows of the finished groups could not be leased (e.g. "
+                f"{missing[0]}): leased by another consumer, or not in the store; the run "
+                "stops (continue it with `train --restore`)"
+            )
+        return lease
+
+    def drop_groups(self, results: list[GroupResult], reason: str) -> int:
+        """Consume these finished groups' rows untrained (counted as
+        `async.groups_dropped_<reason>`); returns the rows dropped."""
+        lease = self.take_groups(results, ttl_s=60.0)
+        self.metrics.add(f"async.groups_dropped_{reason}", len(results))
+        return self.store.ack(lease.lease_id)
+
+    def buffered_groups(self) -> list[str]:
+        """The groups with rows in the buffer (finished, not trained), by id."""
+        return sorted({key.rsplit("/", 1)[0] for key in self.store.list("replay")})
 
     def take_batch(self, max_rows: int, ttl_s: float = 600.0) -> LeaseResult:
         return self.store.lease("replay", "trainer", max_rows, ttl_s)
 
     def ack(self, lease: LeaseResult) -> int:
-        return self.store.ack(lease.lease_id)
+        """The leased rows were trained on. With groups generating meanwhile (start_groups), the
+        cadence takes no snapshot from now until the trainer checkpoint (CheckpointCoordinator.
+        ack_held): one would pair the older checkpoint with a buffer that lacks these rows."""
+        if self.stream is None:
+            return self.store.ack(lease.lease_id)
+        return self._loop.run(self.coordinator.ack_held(lambda: self.store.aack(lease.lease_id)))
 
     def set_step(self, step: int) -> None:
         """The trainer step whose rollouts are generated next (recorded in ledgers)."""
@@ -144,11 +200,13 @@ class RolloutRecovery:
         return self.evidence.record_call_attempts(step) if self.cfg.token_capture.enabled else 0
 
     def push_weights(
-        self, weights_dir: str | Path, version: int | None = None, expect_sha256: str | None = None
-    ) -> int:
+        self, weights_dir: str | Path, version: int | None = None,
+        expect_sha256: str | None = None, in_flight: bool = True,
+    ) -> int:  # fmt: skip
         """Load new weights into every worker as the next weight version (or `version`, when
         a restore re-establishes a checkpoint's weights; `expect_sha256`: the digest those
-        weights must have, or nothing is pushed)."""
+        weights must have, or nothing is pushed): into the calls in flight, or (`in_flight`
+        False) once they ended."""
         digest = model_identity.directory_weights_digest(weights_dir)
         if expect_sha256 is not None and digest != expect_sha256:
             raise RestoreError(
@@ -156,7 +214,7 @@ class RolloutRecovery:
                 f"{expect_sha256[:12]}; refusing to push them"
             )
         version = self.state.weight_version + 1 if version is None else version
-        self.workers.push_weights(str(weights_dir), version)
+        self.workers.push_weights(str(weights_dir), version, in_flight)
         self.state.weight_version, self.state.weights_sha256 = version, digest
         return version
 
@@ -179,6 +237,7 @@ class RolloutRecovery:
         `failed`); too many in a row raise. TrainingRun.save_checkpoint calls this."""
         self.state.step, self.state.trainer_checkpoint = step, digest
         if not self.cfg.checkpointing.save_data_plane:
+            self.coordinator.held_for_trainer = False
             return {"snapshot_s": 0.0}
         metrics = self._loop.run(self.coordinator.counted("trainer_checkpoint"))
         if metrics is None:

@@ -421,6 +421,37 @@ class CheckpointingConfig(_Block):
         return value
 
 
+class AsyncGrpoConfig(_Block):
+    """Asynchronous GRPO (`grpo.async_grpo`): generation never stops for training. Groups keep
+    being generated while the trainer trains on finished ones, and new weights reach the workers
+    while calls are in flight. Off (the default), each step generates, then trains, then pushes,
+    and a restored run matches the uninterrupted one token for token; on, a run is checked by
+    invariants instead (docs/async_grpo.md)."""
+
+    enabled: bool = False
+    """Run the driver asynchronously."""
+
+    max_groups_in_flight: Int | None = Field(None, ge=1)
+    """Groups started and not yet trained on, at most (generating, or finished and waiting in the
+    buffer). Null: twice `grpo.prompts_per_step`. At least `grpo.prompts_per_step`, or a step could
+    never get its batch."""
+
+    max_trajectory_age_steps: Int = Field(1, ge=0)
+    """The oldest weights a trained trajectory may come from: its age is the weight version the
+    trainer trains on minus the oldest version among its tokens. An older group is dropped
+    (counted as `async.groups_dropped_stale`) and its prompt generated again."""
+
+    in_flight_weight_updates: bool = True
+    """Push new weights into calls in flight (they continue on the new weights between engine
+    steps; one call's tokens then come from several versions). Off, a push waits until the calls
+    in flight end, and calls started meanwhile wait for the new weights: every call has one."""
+
+    importance_ratio_cap: Float = Field(2.0, gt=0.0)
+    """Truncated importance sampling: each generated token's loss is weighted by
+    min(exp(trainer logprob - behaviour logprob), this cap), correcting for tokens sampled by
+    older weights than the trainer's."""
+
+
 class GrpoConfig(_Block):
     """The shipped GRPO driver's training loop."""
 
@@ -441,6 +472,23 @@ class GrpoConfig(_Block):
     seed: Int = 0
     """Seed of the run's randomness. It seeds torch, each step's prompts and every rollout's sampler
     seed, so a run and its restore sample the same."""
+
+    async_grpo: AsyncGrpoConfig = AsyncGrpoConfig()
+    """Asynchronous GRPO with in-flight weight updates (off by default)."""
+
+    @model_validator(mode="after")
+    def _buffer_holds_a_step(self) -> GrpoConfig:
+        n = self.async_grpo.max_groups_in_flight
+        if n is not None and n < self.prompts_per_step:
+            raise ValueError(
+                f"grpo.async_grpo.max_groups_in_flight={n} is below grpo.prompts_per_step="
+                f"{self.prompts_per_step}: a step could never get its batch; raise it"
+            )
+        return self
+
+    def groups_in_flight(self) -> int:
+        """`async_grpo.max_groups_in_flight`, its default applied."""
+        return self.async_grpo.max_groups_in_flight or 2 * self.prompts_per_step
 
 
 def _import_path(value: str | None) -> str | None:

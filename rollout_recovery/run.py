@@ -12,6 +12,11 @@
             write weights to run.weights_dir; run.push_weights()
             run.save_checkpoint(files, extra, record)      # paired snapshot; step log line
 
+Asynchronous GRPO (`grpo.async_grpo.enabled`) replaces `submit_groups` with a stream: groups
+started with `start_groups` generate while the loop trains, `finished_groups(n)` hands over the
+first n to finish, and weights are pushed into calls in flight (producer.py decides which
+groups to start and train on, and keeps the cursor a restore goes on from).
+
 What the run does for the loop:
 
 - `open` claims the location first (controller/run_plan.py): a fresh run only as its first
@@ -47,6 +52,7 @@ from rollout_recovery.controller.run_plan import (
     paired_steps,
 )
 from rollout_recovery.controller.selection import DATA_PLANE
+from rollout_recovery.controller.stream import StartedGroup
 from rollout_recovery.controller.tasks import make_tasks
 from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
 from rollout_recovery.crashpoints import crash_point
@@ -58,7 +64,7 @@ from rollout_recovery.protocol import group_id
 from rollout_recovery.runtime import ActorProxy
 from rollout_recovery.storage import RunStorage, StorageError
 
-__all__ = ["GroupResult", "TrainerCheckpoint", "TrainingRun", "group_id"]
+__all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "group_id"]
 
 WEIGHTS_DIR = "weights"
 
@@ -79,9 +85,10 @@ class TrainingRun:
         self.weights_dir = self._weights_dir()
         self.weight_version = plan.choice.ledger.weight_version if plan else 0
         self._step: int | None = None
-        self._t0, self._gen_s, self._tokens = 0.0, 0.0, 0
+        self._t0, self._gen_s, self._tokens, self._wait_s = 0.0, 0.0, 0, 0.0
         self._before: dict[str, float] = {}
         self._batch_digest: str | None = None
+        self.restored: dict | None = None  # the restored snapshot's ledger (`open`)
         self.model_dir = resolve_model_path(cfg.policy.model_path)  # policy.model_path, local
 
     @classmethod
@@ -111,7 +118,7 @@ class TrainingRun:
         try:
             run.rollouts = SingleController(cfg, ray_address, owner=owner)
             if plan is not None:
-                run.rollouts.restore(plan.choice.snapshot)
+                run.restored = run.rollouts.restore(plan.choice.snapshot)
         except BaseException:
             run.close()
             raise
@@ -154,13 +161,15 @@ class TrainingRun:
         weight version. The first push after a restore re-establishes the snapshot's version,
         and refuses weights other than the ones its calls were decoded with."""
         self.storage.check_owner("pushing weights to the workers")
+        a = self.cfg.grpo.async_grpo
+        in_flight = not a.enabled or a.in_flight_weight_updates
         if self._weights_due:
             ledger = self._plan.choice.ledger
             version = self.rollouts.push_weights(str(self.weights_dir), ledger.weight_version,
                                                  ledger.model.weights_sha256)  # fmt: skip
             self._weights_due = False
         else:
-            version = self.rollouts.push_weights(str(self.weights_dir))
+            version = self.rollouts.push_weights(str(self.weights_dir), None, None, in_flight)
             if self._step is not None:
                 crash_point("weights_pushed")
         self.weight_version = version
@@ -178,6 +187,7 @@ class TrainingRun:
             )
         self.rollouts.set_step(step)
         self._step, self._t0, self._batch_digest = step, time.monotonic(), None
+        self._wait_s = 0.0
         self._before = self.rollouts.counters()
 
     def tasks(self, step: int) -> list[dict]:
@@ -201,13 +211,42 @@ class TrainingRun:
         self._tokens = sum(r.generated_tokens for r in results)
         return results
 
+    # ------------------------------------------------------------------ asynchronous GRPO
+
+    def start_groups(self, groups: list[StartedGroup]) -> dict[str, int]:
+        """Start these groups now; they generate while the loop trains (see the module
+        docstring). Returns the counts of groups in flight and finished."""
+        return self.rollouts.start_groups(groups)
+
+    def finished_groups(self, n: int, timeout_s: float | None = None) -> list[GroupResult]:
+        """The first `n` started groups to finish, oldest first (waiting for them)."""
+        t0 = time.monotonic()
+        results = self.rollouts.finished_groups(n, timeout_s)
+        self._wait_s += time.monotonic() - t0
+        return results
+
+    def drop_groups(self, results: list[GroupResult], reason: str) -> int:
+        """Consume finished groups untrained (counted as `async.groups_dropped_<reason>`)."""
+        return self.rollouts.drop_groups(results, reason)
+
+    def restored_groups(self) -> set[str]:
+        """The groups the restored snapshot holds: episodes to go on with, and finished ones
+        in the buffer (empty for a fresh run). Start them again to take them up."""
+        if self.restored is None:
+            return set()
+        episodes = {e["group_id"] for e in self.restored.get("episodes", [])}
+        return episodes | set(self.rollouts.buffered_groups())
+
     def take_batch(self, results: list[GroupResult], ttl_s: float = 600.0) -> LeaseResult:
-        """Lease the step's finished rows for training; the batch and what each episode
-        returned are kept under batches/ (and what the engines did per call attempt in the
-        evidence log) first."""
+        """Lease these groups' rows for training; the batch and what each episode returned are
+        kept under batches/ (and what the engines did per call attempt in the evidence log)
+        first."""
         step = self._current() + 1
         self.rollouts.record_call_attempts(step)
-        lease = self.rollouts.take_batch(sum(len(r.rows) for r in results), ttl_s)
+        if self.cfg.grpo.async_grpo.enabled:  # generated while earlier steps trained
+            self._tokens = sum(r.generated_tokens for r in results)
+            self._gen_s = time.monotonic() - self._t0
+        lease = self.rollouts.take_groups(results, ttl_s)
         crash_point("batch_leased")
         self.storage.write_bytes(batches.batch_rel(step, "arrow"), batches.batch_bytes(lease.rows))
         self.storage.write_bytes(batches.batch_rel(step, "results.json"),
@@ -236,6 +275,7 @@ class TrainingRun:
             "tokens_per_s": self._tokens / self._gen_s if self._gen_s else 0.0,
             "weight_version": self.weight_version,
             "batch_digest": self._batch_digest,
+            "trainer_wait_s": self._wait_s,
             **{k: v - self._before.get(k, 0) for k, v in self.rollouts.counters().items()},
         }
         kept = line | {"checkpoint_s": None, "snapshot_s": None}  # completes a lost log line

@@ -29,7 +29,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -103,6 +103,10 @@ class CheckpointCoordinator:
         self.epochs = itertools.count(1)  # fence epochs: each attempt's is newer
         self.failures_in_a_row = 0
         self.stop_grace_s = 30.0  # beyond attempt_timeout_s, for a stopping cadence's release
+        # Trained rows were acked and their trainer checkpoint is not written yet: a snapshot
+        # now would pair the older checkpoint with a buffer that lacks them (asynchronous GRPO,
+        # whose cadence runs while the trainer trains), so the cadence skips until it is.
+        self.held_for_trainer = False
 
     async def cadence(self, stop: asyncio.Event | None = None) -> None:
         """Attempt a checkpoint every `snapshot_attempt_interval_s` until `stop` is set or the
@@ -199,10 +203,24 @@ class CheckpointCoordinator:
             continuations=records.continuations,
         )
 
-    async def attempt(self, reason: str) -> dict:
-        """One checkpoint attempt; returns its metrics (also appended to the checkpoint log)."""
+    async def attempt(self, reason: str) -> dict | None:
+        """One checkpoint attempt; returns its metrics (also appended to the checkpoint log),
+        or None when a cadence attempt is skipped while held for the trainer."""
         async with self.between_attempts:
+            if self.held_for_trainer and reason == "cadence":
+                self.metrics.add("checkpoints_skipped.held_for_trainer")
+                return None
+            if reason == "trainer_checkpoint":  # its digest is the ledger's from now on
+                self.held_for_trainer = False
             return await self._attempt(reason)
+
+    async def ack_held(self, ack: Callable[[], Awaitable[T]]) -> T:
+        """Run `ack` between attempts, then hold the cadence until the next trainer checkpoint
+        (`counted("trainer_checkpoint")` releases it)."""
+        async with self.between_attempts:
+            out = await ack()
+            self.held_for_trainer = True
+            return out
 
     async def _attempt(self, reason: str) -> dict:
         # A stale owner writes no snapshot files at all, not only no publication.

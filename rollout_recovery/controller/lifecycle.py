@@ -86,6 +86,11 @@ def close_job(rr: RolloutRecovery) -> None:
         rr._supervision.cancel()
         with contextlib.suppress(Exception):
             rr._loop.run(rr.supervisor.stop(), timeout=10)
+    if rr.stream is not None:  # its groups stop, then its cadence (after a snapshot under way)
+        with contextlib.suppress(Exception):
+            rr._loop.run(rr.stream.close(), timeout=rr.cfg.rollout_checkpointing.attempt_timeout_s
+                         + 30)  # fmt: skip
+        rr.stream = None
     rr.metrics.stop()
     if rr.env is not None:
         with contextlib.suppress(Exception):

@@ -164,6 +164,14 @@ class PartitionTable:
             self.leased[k] = lease_id
         return keys
 
+    def take_keys(self, keys: list[str], lease_id: str) -> list[str]:
+        """Lease those of `keys` that are available (present and not leased)."""
+        taken = [k for k in dict.fromkeys(keys) if k in self.available]
+        for k in taken:
+            del self.available[k]
+            self.leased[k] = lease_id
+        return taken
+
     def release(self, keys: list[str], lease_id: str) -> None:
         """Make a lease's rows available again (expired lease)."""
         for k in keys:

@@ -106,11 +106,16 @@ class StoreShard:
         return self._part(partition).list_keys(prefix)
 
     async def lease(
-        self, partition: str, consumer: str, max_rows: int, ttl_s: float, lease_id: str
-    ) -> pa.Table:
+        self, partition: str, consumer: str, max_rows: int, ttl_s: float, lease_id: str,
+        keys: list[str] | None = None,
+    ) -> pa.Table:  # fmt: skip
+        """Lease up to `max_rows` available rows, oldest first, or those of `keys` available."""
         part = self._part(partition)
         self._expire()
-        keys = part.take_available(max_rows, lease_id)
+        if keys is None:
+            keys = part.take_available(max_rows, lease_id)
+        else:
+            keys = part.take_keys(keys, lease_id)
         if keys:
             self.leases[lease_id] = Lease(
                 lease_id, partition, consumer, keys, time.monotonic() + ttl_s

@@ -303,6 +303,18 @@ class StagingStore:
         rows = pa.concat_tables(tables) if tables else schema.empty_table()
         return LeaseResult(lease_id, rows)
 
+    def _plan_lease_keys(
+        self, partition: str, consumer: str, keys: Sequence[str], ttl_s: float
+    ) -> _Plan:
+        schema = self._check_lease(partition, consumer, max(1, len(keys)), ttl_s)
+        keys = self._check_keys(keys)
+        lease_id = uuid.uuid4().hex
+        split = zip(self.shards, self._split(keys), strict=True)
+        refs = [shard.lease.remote(partition, consumer, len(rows), ttl_s, lease_id,
+                                   [keys[i] for i in rows])
+                for shard, rows in split if rows]  # fmt: skip
+        return _Plan(refs, lambda tables: self._lease_result(schema, lease_id, tables))
+
     def _plan_ack(self, lease_id: str) -> _Plan:
         return _Plan([s.ack.remote(lease_id) for s in self.shards], sum)
 
@@ -339,6 +351,13 @@ class StagingStore:
             if need == 0:
                 break
         return self._lease_result(schema, lease_id, tables)
+
+    def lease_keys(
+        self, partition: str, consumer: str, keys: Sequence[str], ttl_s: float = 60.0
+    ) -> LeaseResult:
+        """Lease the rows of `keys` that are available (present and not leased); the result
+        says which by its rows' keys."""
+        return self._plan_lease_keys(partition, consumer, keys, ttl_s).wait(self.timeout_s)
 
     def ack(self, lease_id: str) -> int:
         """Consume a lease's rows; returns how many. A second ack (or an expired lease) is 0."""
@@ -378,6 +397,11 @@ class StagingStore:
             if need == 0:
                 break
         return self._lease_result(schema, lease_id, tables)
+
+    async def alease_keys(
+        self, partition: str, consumer: str, keys: Sequence[str], ttl_s: float = 60.0
+    ) -> LeaseResult:
+        return await self._plan_lease_keys(partition, consumer, keys, ttl_s).wait_async()
 
     async def aack(self, lease_id: str) -> int:
         return await self._plan_ack(lease_id).wait_async()

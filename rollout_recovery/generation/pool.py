@@ -79,8 +79,8 @@ class WorkerHandle:
     async def apush_weights(self, weights_dir: str, weight_version: int) -> int:
         return await self._ref("push_weights", weights_dir, weight_version)
 
-    def push_weights(self, weights_dir: str, weight_version: int) -> int:
-        return self._get("push_weights", weights_dir, weight_version)
+    def push_weights(self, weights_dir: str, weight_version: int, in_flight: bool = True) -> int:
+        return self._get("push_weights", weights_dir, weight_version, in_flight)
 
     # ---------------------------------------------------------------- evidence and health
 
@@ -314,13 +314,13 @@ class WorkerPool:
 
     # ---------------------------------------------------------------- weights and evidence
 
-    def push_weights(self, weights_dir: str, weight_version: int) -> None:
-        """Load new weights into every live worker; a replacement being started gets them
-        before it joins."""
+    def push_weights(self, weights_dir: str, weight_version: int, in_flight: bool = True) -> None:
+        """Load new weights into every live worker (into its calls in flight, or once they
+        ended); a replacement being started gets them before it joins."""
         with self._lock:
             self.weights = (weights_dir, weight_version)
             live = [(i, w) for i, w in enumerate(self.workers) if i not in self.lost]
-        refs = [w._ref("push_weights", weights_dir, weight_version) for _, w in live]
+        refs = [w._ref("push_weights", weights_dir, weight_version, in_flight) for _, w in live]
         for (i, _), ref in zip(live, refs, strict=True):
             try:
                 ray.get(ref)

@@ -3,8 +3,10 @@
 The push pauses generation with in-flight requests kept but their KV cleared (they are
 recomputed under the new weights on resume; stale KV would silently mix two policies),
 reloads through vLLM's own `reload_weights` (vllm_compat), resets the prefix cache, and
-resumes. A reload that fails half-way kills vLLM's engine, so the file is checked first: the
-same tensor names, shapes and dtypes as the served checkpoint, or nothing happens.
+resumes. Not in flight (`in_flight=False`), the pause waits for the requests in flight to
+end instead, and requests that arrive meanwhile wait for the new weights: each call then has
+one weight version. A reload that fails half-way kills vLLM's engine, so the file is checked
+first: the same tensor names, shapes and dtypes as the served checkpoint, or nothing happens.
 """
 
 from __future__ import annotations
@@ -56,9 +58,11 @@ def check_compatible(reference_dir: str | Path, new_dir: str | Path) -> None:
         )
 
 
-async def push_weights(engine, reference_dir: str, weights_dir: str, version: int) -> None:
+async def push_weights(
+    engine, reference_dir: str, weights_dir: str, version: int, in_flight: bool = True
+) -> None:
     check_compatible(reference_dir, weights_dir)
-    await engine.pause_generation(mode="keep", clear_cache=True)
+    await engine.pause_generation(mode="keep" if in_flight else "wait", clear_cache=True)
     try:
         await reload_weights(engine, weights_dir)
         await engine.reset_prefix_cache()

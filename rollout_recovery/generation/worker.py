@@ -209,16 +209,19 @@ class GenerationWorker:
         """Wait until background terminal-row writes are done."""
         await self._require_capture().drain()
 
-    async def push_weights(self, weights_dir: str, weight_version: int) -> int:
+    async def push_weights(
+        self, weights_dir: str, weight_version: int, in_flight: bool = True
+    ) -> int:
         """Load new policy weights (a directory of safetensors with the served checkpoint's
-        tensor names) and tag every token generated from now on with `weight_version`."""
+        tensor names) and tag every token generated from now on with `weight_version`; into the
+        calls in flight, or (`in_flight=False`) once they ended (generation/weights.py)."""
         if self._engine is None or self._info is None:
             raise RuntimeError("worker not started")
         if weight_version <= self._weight_version:
             raise ValueError(
                 f"weight_version {weight_version} must be newer than {self._weight_version}"
             )
-        await push_weights(self._engine, self._info.model, weights_dir, weight_version)
+        await push_weights(self._engine, self._info.model, weights_dir, weight_version, in_flight)
         self._weight_version = weight_version
         if self._service is not None:
             self._service.capture.weight_version = weight_version

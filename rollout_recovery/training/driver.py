@@ -21,6 +21,12 @@ Restore (`restore=True`): `TrainingRun.open` claims the location, chooses the sn
 paired trainer checkpoint (or refuses in one line, deleting nothing) and restores the
 rollouts; the driver loads the checkpoint's files into its model and optimizer and pushes
 their weights before the first step.
+
+Asynchronous GRPO (`grpo.async_grpo.enabled`): a `Producer` keeps up to
+`max_groups_in_flight` groups open; each step trains on the first `prompts_per_step` finished
+groups no older than `max_trajectory_age_steps`, weights its tokens by the truncated importance
+ratio against the behaviour logprobs (training/grpo.py), pushes the new weights into the calls
+in flight and saves the producer's cursor with its checkpoint.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from tqdm import tqdm
 
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.errors import CheckpointWriteError, RecoveryError
+from rollout_recovery.producer import CURSOR_KEY, Cursor, Producer
 from rollout_recovery.run import TrainingRun, group_id
 from rollout_recovery.training.checkpoint import load_state, state_files
-from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
+from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages, importance_weights
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
 
 
@@ -74,19 +81,29 @@ def _batch_tensors(table):
     return out_ids, attn, mask[:, 1:], gen[:, 1:], torch.tensor(rewards[order], dtype=torch.float32)
 
 
-def grpo_step(model, opt, table, group_size: int) -> tuple[float, float, float]:
+def grpo_step(
+    model, opt, table, group_size: int, importance_cap: float | None = None
+) -> tuple[float, float, float, dict]:
     """One policy-gradient step on a leased batch; returns (loss, mean reward, the mean
-    absolute gap between generation and trainer logprobs on generated tokens)."""
+    absolute gap between generation and trainer logprobs on generated tokens, and the
+    importance weights' figures). With `importance_cap` each token is weighted by its
+    truncated importance ratio against the behaviour logprobs (asynchronous GRPO)."""
     ids, attn, mask, gen, rewards = _batch_tensors(table)
     adv = group_advantages(rewards, group_size)
     new = token_logprobs(model, ids, attn)
     old = new.detach()  # the trainer's own: the step is independent of the batch shape served
-    loss = clipped_pg_loss(new, old, adv, mask)
+    weights, figures = None, {}
+    if importance_cap is not None:
+        weights = importance_weights(old, gen, importance_cap)
+        w = weights[mask.bool()]
+        figures = {"importance_weight_mean": float(w.mean()),
+                   "importance_weight_capped": int((w >= importance_cap).sum())}  # fmt: skip
+    loss = clipped_pg_loss(new, old, adv, mask, weights=weights)
     opt.zero_grad()
     loss.backward()
     opt.step()
     gap = ((old - gen).abs() * mask).sum() / mask.sum().clamp_min(1.0)
-    return loss.item(), float(rewards.mean()), float(gap)
+    return loss.item(), float(rewards.mean()), float(gap), figures
 
 
 def _step_line(r: dict) -> str:
@@ -122,13 +139,35 @@ def train(
             load_state(run.checkpoint.files, model, opt)
             _export(model, run)
             run.push_weights()
+        producer = _producer(cfg, run) if g.async_grpo.enabled else None
         bar = tqdm(range(run.start_step, g.steps), desc="grpo", unit="step",
                    initial=run.start_step, total=g.steps)  # fmt: skip
         for step in bar:
-            record = _train_step(cfg, run, model, opt, step)
+            if producer is None:
+                record = _train_step(cfg, run, model, opt, step)
+            else:
+                record = _train_step_async(cfg, run, model, opt, step, producer)
             history.append(record)
             bar.write(_step_line(record))
     return history
+
+
+def _seed(g, step: int, group: int, gen: int) -> int:
+    return ((g.seed * 1_000_003 + step) * 10_007 + group) * 101 + gen
+
+
+def _producer(cfg: RolloutRecoveryConfig, run: TrainingRun) -> Producer:
+    """Asynchronous dispatch, from the restored checkpoint's cursor when there is one. A
+    prompt's later attempts sample with other seeds than its first."""
+    g = cfg.grpo
+    extra = run.checkpoint.extra if run.checkpoint is not None else {}
+    cursor = Cursor.model_validate(extra[CURSOR_KEY]) if CURSOR_KEY in extra else None
+
+    def seeds(prompt: int, attempt: int, gen: int) -> int:
+        step, i = divmod(prompt, g.prompts_per_step)
+        return _seed(g, step, i, gen) + 7_919 * attempt
+
+    return Producer(run, seeds, cursor, run.restored_groups())
 
 
 def _export(model, run: TrainingRun) -> None:
@@ -149,13 +188,35 @@ def _train_step(cfg, run: TrainingRun, model, opt, step: int) -> dict:
     groups = [(group_id(step, i), task) for i, task in enumerate(tasks)]
 
     def seeds(gi: int, gen: int, step: int = step) -> int:
-        return ((g.seed * 1_000_003 + step) * 10_007 + gi) * 101 + gen
+        return _seed(g, step, gi, gen)
 
     results = run.submit_groups(groups, seeds)
     lease = run.take_batch(results)
-    loss, reward, gap = grpo_step(model, opt, lease.rows, g.generations_per_prompt)
+    loss, reward, gap, _ = grpo_step(model, opt, lease.rows, g.generations_per_prompt)
     run.ack(lease)
     _export(model, run)
     run.push_weights()
     record = {"loss": loss, "mean_reward": reward, "rollout_logprob_gap": gap}
     return run.save_checkpoint(state_files(model, opt), {"data_cursor": step + 1}, record)
+
+
+def _train_step_async(cfg, run: TrainingRun, model, opt, step: int, producer: Producer) -> dict:
+    """One asynchronous step: keep the open groups topped up, train on the first finished
+    ones young enough, push the weights into the calls in flight, checkpoint with the cursor."""
+    g = cfg.grpo
+    run.begin_step(step)
+    producer.fill()
+    results = producer.take(g.prompts_per_step)
+    ages = [producer.age(r) for r in results]
+    lease = run.take_batch(results)
+    cap = g.async_grpo.importance_ratio_cap
+    loss, reward, gap, figures = grpo_step(model, opt, lease.rows, g.generations_per_prompt, cap)
+    run.ack(lease)
+    producer.trained(results)
+    _export(model, run)
+    run.push_weights()
+    record = {"loss": loss, "mean_reward": reward, "rollout_logprob_gap": gap, **figures,
+              "groups": [r.group_id for r in results], "age_max": max(ages),
+              "groups_dropped_stale": producer.cursor.dropped_stale}  # fmt: skip
+    extra = {"data_cursor": step + 1, CURSOR_KEY: producer.cursor.model_dump()}
+    return run.save_checkpoint(state_files(model, opt), extra, record)

@@ -193,7 +193,7 @@ def test_a_step_does_not_depend_on_float_noise_in_the_generation_logprobs(tiny_m
         torch.manual_seed(0)
         model = load_policy(tiny_model_dir)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        loss, _, _ = grpo_step(model, opt, table(noise), group_size=4)
+        loss, _, _, _ = grpo_step(model, opt, table(noise), group_size=4)
         losses.append(loss)
         states.append({k: v.clone() for k, v in model.state_dict().items()})
     assert losses[0] == losses[1]
@@ -230,3 +230,22 @@ def test_a_restore_whose_episodes_the_first_step_would_not_run_is_refused():
         _check_claimed(cfg, _choice(("s0000-p001", 0), ("s0000-p001", 1)), 0)
     with pytest.raises(RestoreError, match="group s0000-p000"):  # a step other than the ledger's
         _check_claimed(cfg, _choice(("s0000-p000", 0)), 1)
+
+
+def test_truncated_importance_weights_correct_stale_tokens_and_are_capped():
+    """Per token, min(pi_trainer / pi_behaviour, cap) without gradient; weights of 1 leave the
+    loss as it was, and a token sampled where the trainer's weights now put more mass counts
+    more, up to the cap."""
+    from rollout_recovery.training.grpo import clipped_pg_loss, importance_weights
+
+    trainer = torch.log(torch.tensor([[0.5, 0.5, 0.2, 0.9]], requires_grad=True))
+    behaviour = torch.log(torch.tensor([[0.5, 0.25, 0.4, 0.1]]))
+    w = importance_weights(trainer, behaviour, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, 0.5, 2.0]]))
+    assert not w.requires_grad
+    mask, adv = torch.ones(1, 4), torch.tensor([1.0])
+    plain = clipped_pg_loss(trainer, trainer.detach(), adv, mask)
+    ones = clipped_pg_loss(trainer, trainer.detach(), adv, mask, weights=torch.ones(1, 4))
+    assert torch.equal(plain, ones)
+    weighted = clipped_pg_loss(trainer, trainer.detach(), adv, mask, weights=w)
+    torch.testing.assert_close(weighted, plain * w.mean())  # each token's term is -1 here
