@@ -96,8 +96,11 @@ RUNS = {
     "two_owners": TWO_OWNERS_ARGS,
 }
 SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE, "two_owners": TWO_OWNERS}
-BROKEN = ("resume_disabled", "redecode_committed_turns", "token_log_rows_corrupted",
-          "fencing_disabled")  # fmt: skip
+# The two-owner check with fencing_disabled is not repeated here (a third full run of three
+# owners for ~4 min of the suite): tests/unit/test_two_owners_verdict.py holds its verdict to
+# failing on a stale owner's writes, and tests/unit/test_fenced_writes.py shows the fault
+# letting them land; docs/testing.md gives the command for the whole run.
+BROKEN = ("resume_disabled", "redecode_committed_turns", "token_log_rows_corrupted")
 AFTER_TURN = ("failover", "two_node", "two_owners")  # started once the turn check is done
 
 
@@ -186,10 +189,9 @@ def _report(out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """The finished checks' kills restored (or the failover and two-owner runs repeated)
-    deliberately broken, the four at once (they are independent; one after another the first
-    three took ~3 minutes): each check must fail on its own. Options first: PREFIX ends with a
-    config override."""
+    """The finished checks' kills restored (or the failover run repeated) deliberately broken,
+    the three at once (they are independent; one after another they took ~3 minutes): each
+    check must fail on its own. Options first: PREFIX ends with a config override."""
     outs = {name: tmp_path_factory.mktemp(f"broken-{name}") for name in BROKEN}
     cmds = {
         "resume_disabled": [str(CHECK), "--out", str(outs["resume_disabled"]), "--from-kill",
@@ -201,11 +203,6 @@ def broken(runs, tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
                                    "--kill", "engine", *FAILOVER_ARGS, "--reference",
                                    str(runs["failover"] / "reference"), "--fault",
                                    "token_log_rows_corrupted"],
-        # A fresh two-owner check (it restores nothing of another's), its runs unfenced, to the
-        # verdict on the thawed A (a C adds nothing to it).
-        "fencing_disabled": [str(TWO_OWNERS), "--out", str(outs["fencing_disabled"]),
-                             *TWO_OWNERS_ARGS, "--fault", "fencing_disabled", "--no-successor",
-                             "--fence-timeout", "60"],
     }  # fmt: skip
     procs = {name: subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
@@ -419,17 +416,3 @@ def test_a_stale_owner_thawed_after_a_restore_stops_and_writes_nothing(two_owner
     assert "no longer owns" in line and f"epoch {b['claim']['epoch']} " in line
     assert a1["wrote"]["touched"] == 0
     assert c["exit"] == 0 and c["wrote"]["logs"]["steps.jsonl"]["appended"] >= 1
-
-
-def test_the_two_owner_check_fails_when_writes_are_not_fenced(broken):
-    """The same check with writes under the run unfenced (snapshot publication still is): the
-    thawed stale owner writes under the run (a snapshot directory, token log segments, log
-    lines), and the check fails on it."""
-    proc, out = broken["fencing_disabled"]
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = _report(out)
-    assert report["fault"] == "fencing_disabled" and report["actors"][2]["wrote"]["touched"] > 0
-    assert any(v.startswith("[fencing] A after the thaw") for v in report["violations"])
-    actors = [a["actor"] for a in report["actors"]]
-    assert actors == ["A before the freeze", "B", "A after the thaw"]
-    assert all(v.split("]")[0] in ("[fencing", "[logs") for v in report["violations"])
