@@ -86,6 +86,7 @@ class TrainingRun:
         self.weight_version = plan.choice.ledger.weight_version if plan else 0
         self._step: int | None = None
         self._t0, self._gen_s, self._tokens, self._wait_s = 0.0, 0.0, 0, 0.0
+        self._push_s = 0.0
         self._before: dict[str, float] = {}
         self._batch_digest: str | None = None
         self.restored: dict | None = None  # the restored snapshot's ledger (`open`)
@@ -161,6 +162,7 @@ class TrainingRun:
         weight version. The first push after a restore re-establishes the snapshot's version,
         and refuses weights other than the ones its calls were decoded with."""
         self.storage.check_owner("pushing weights to the workers")
+        t0 = time.monotonic()
         a = self.cfg.grpo.async_grpo
         in_flight = not a.enabled or a.in_flight_weight_updates
         if self._weights_due:
@@ -173,6 +175,7 @@ class TrainingRun:
             if self._step is not None:
                 crash_point("weights_pushed")
         self.weight_version = version
+        self._push_s = time.monotonic() - t0
         return version
 
     # ------------------------------------------------------------------ a step
@@ -276,6 +279,7 @@ class TrainingRun:
             "weight_version": self.weight_version,
             "batch_digest": self._batch_digest,
             "trainer_wait_s": self._wait_s,
+            "push_s": self._push_s,
             **{k: v - self._before.get(k, 0) for k, v in self.rollouts.counters().items()},
         }
         kept = line | {"checkpoint_s": None, "snapshot_s": None}  # completes a lost log line
@@ -297,7 +301,8 @@ class TrainingRun:
         if paired is not None:
             keep = self.cfg.rollout_checkpointing.keep_latest_k
             trainer_checkpoints.prune(self.storage, keep, paired)
-        line |= {"checkpoint_s": time.monotonic() - c0, "snapshot_s": snap["snapshot_s"]}
+        line |= {"checkpoint_s": time.monotonic() - c0, "snapshot_s": snap["snapshot_s"],
+                 "generation_s": self._gen_s, "step_s": time.monotonic() - self._t0}  # fmt: skip
         step_log.append(self.storage, line)
         crash_point("step_logged")
         self._step = None

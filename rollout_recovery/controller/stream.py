@@ -65,9 +65,11 @@ class RolloutStream:
         """Start each group now, on the weights the workers serve."""
         if self.failure is not None:
             raise self.failure
+        ids = [g.group_id for g in groups]
+        twice = sorted({i for i in ids if i in self.running or ids.count(i) > 1})
+        if twice:
+            raise BadInputError(f"groups {twice} are already in flight; none was started")
         for g in groups:
-            if g.group_id in self.running:
-                raise BadInputError(f"group {g.group_id} is already in flight")
             work = self.env.run_groups([(g.group_id, g.task)], [g.seeds], self.state.weight_version)
             watched = watch_step(work, self.env.progress, self.liveness, self.state.step)
             self.running[g.group_id] = asyncio.ensure_future(self._one(g.group_id, watched))
@@ -124,6 +126,7 @@ class RolloutStream:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self.running.clear()  # a task cancelled before it ran never removed itself
         self._closed.set()
         if self._cadence is not None:
             await asyncio.gather(self._cadence, return_exceptions=True)
