@@ -58,7 +58,7 @@ from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.errors import RecoveryError, RestoreError, RunStalled
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.placement import JobPlacement
-from rollout_recovery.protocol import EpisodeOutcome, replay_key
+from rollout_recovery.protocol import EpisodeOutcome
 from rollout_recovery.runtime import ActorProxy, LoopThread, init_ray
 from rollout_recovery.storage import RunStorage
 
@@ -152,7 +152,7 @@ class RolloutRecovery:
 
     def take_groups(self, results: list[GroupResult], ttl_s: float = 600.0) -> LeaseResult:
         """Lease exactly these groups' rows for training (others stay in the buffer)."""
-        keys = [replay_key(r.group_id, i) for r in results for i in range(len(r.rows))]
+        keys = [row.key for r in results for row in r.rows]
         lease = self.store.lease_keys("replay", "trainer", keys, ttl_s)
         got = set(lease.rows.column("key").to_pylist())
         if got != set(keys):
