@@ -1,7 +1,7 @@
 """Asynchronous GRPO killed and restored, checked by invariants (docs/async_grpo.md).
 
     .venv/bin/python functional_tests/async_recovery.py --out DIR [--kills 2] [--steps 4]
-        [--level prefix|turn] [--journal on|off] [--cuts 2] [--seed N] [overrides...]
+        [--journal on|off] [--cuts 2] [--seed N] [overrides...]
 
 An asynchronous run cannot be compared token for token with an uninterrupted one (when a push
 lands decides which weights sample which token), so the run is checked by what must hold
@@ -456,7 +456,7 @@ def print_report(r: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--level", choices=["prefix", "turn"], default="prefix")
+    ap.add_argument("--level", choices=["prefix"], default="prefix")
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--cuts", type=int, default=2, help="cut calls in each kill's snapshot")

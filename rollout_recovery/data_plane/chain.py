@@ -85,6 +85,8 @@ def validate_chunks(
             check_spans(row.version_spans(), prev, prev + row.delta_len)
         except SpanError as err:
             raise ResumeRefused("weight_version_spans", f"{row.key}: {err}") from None
+        if row.weight_versions and row.weight_version != row.weight_versions[-1][0]:
+            raise ResumeRefused("weight_version_spans", f"{row.key}: its version is not its newest")
         prev += row.delta_len
         spans += row.version_spans()
     if any(b[0] < a[0] for a, b in itertools.pairwise(spans)):

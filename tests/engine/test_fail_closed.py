@@ -139,6 +139,16 @@ def _shorter_prompt(rows) -> None:
 
 def _decreasing_versions(rows) -> None:
     rows[0].weight_version, rows[1].weight_version = 2, 1
+    rows[0].weight_versions = [(2, 0, rows[0].cum_len)]
+    rows[1].weight_versions = [(1, rows[1].prev_len, rows[1].cum_len)]
+
+
+def _versions_not_covering(rows) -> None:
+    rows[1].weight_versions = [(1, rows[1].prev_len + 1, rows[1].cum_len)]
+
+
+def _versions_not_its_newest(rows) -> None:
+    rows[1].weight_version = rows[1].weight_versions[-1][0] + 1
 
 
 def _keys(edit: Callable[[list], list]) -> Callable[[dict], dict]:
@@ -192,6 +202,8 @@ CASES: dict[str, tuple[str, Build]] = {
     "digest_mismatch-continuation": ("digest_mismatch", _edit_cont(_flipped_digest)),
     "foreign_chunk-other_rollout": ("foreign_chunk", _other_rollouts_chunks),
     "weight_version_order": ("weight_version_order", _edit_rows(_decreasing_versions)),
+    "weight_version_spans-gap": ("weight_version_spans", _edit_rows(_versions_not_covering)),
+    "weight_version_spans-newest": ("weight_version_spans", _edit_rows(_versions_not_its_newest)),
     "prefix_length_mismatch-short": (
         "prefix_length_mismatch",
         _edit_cont(lambda c: c | {"rr_resume_tokens": K - 1}),
