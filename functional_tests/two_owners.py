@@ -195,7 +195,8 @@ def freeze_mid_generation(args, proc: subprocess.Popen) -> tuple[dict, set[int]]
     while True:
         point = freeze_point(args, proc, min_step)
         tree = freeze(proc)
-        if not (args.run_dir / f"batches/step-{point['step'] + 1:06d}.arrow").exists():
+        # Its batch file (or the temporary file of its write) means A leased the step's batch.
+        if not list(args.run_dir.glob(f"batches/step-{point['step'] + 1:06d}.arrow*")):
             return point | {"too_late_before": late}, tree
         signal_own(tree, signal.SIGCONT, pgid=proc.pid)
         late.append(point["snapshot"])
@@ -352,7 +353,8 @@ def check(args) -> dict:
         batch = f"batches/step-{point['step'] + 1:06d}.arrow"
         actors = [{"actor": "A before the freeze", "exit": None, "ran_s": frozen_at,
                    "frozen": point | {"at_s": frozen_at, "processes": len(tree) + 1,
-                                      "mid_generation": batch not in frozen.files},
+                                      "mid_generation": not any(p.startswith(batch)
+                                                                for p in frozen.files)},
                    "wrote": wrote(State(None), frozen)}]  # fmt: skip
 
         b, b_s, b_again = restore_to_end(args, "B", args.steps, started)

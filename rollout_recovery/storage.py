@@ -37,7 +37,7 @@ from rollout_recovery.data_plane.filesystem import (
     sync_dir,
     sync_file,
 )
-from rollout_recovery.data_plane.ownership import Fence, OwnershipWatch
+from rollout_recovery.data_plane.ownership import Fence, OwnerFenced, OwnershipWatch
 from rollout_recovery.errors import RecoveryError
 
 TMP_MARK = ".tmp-"  # in the name of a file being written, before it is moved into place
@@ -133,8 +133,11 @@ class RunStorage:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Replace `rel` with `data` atomically and durably (a reader, also after a power
-        loss, sees the old or the new file)."""
-        self.check_owner(f"writing {self.display(rel)}")
+        loss, sees the old or the new file). The owner is checked before the write and again
+        before the rename that makes it visible (a writer paused in between, whose temporary
+        file a newer owner's restore removed, is told it no longer owns the run)."""
+        doing = f"writing {self.display(rel)}"
+        self.check_owner(doing)
         target = self.path(rel)
         parent = target.rsplit("/", 1)[0]
         try:
@@ -148,13 +151,15 @@ class RunStorage:
                 with self.fs.open_output_stream(tmp) as out:
                     out.write(data)
                 sync_file(self.fs, tmp)
+                self.check_owner(doing)
                 self.fs.move(tmp, target)
-            except OSError:  # the temporary file must not outlive a failed write
+            except (OSError, OwnerFenced):  # the temporary file must not outlive the write
                 with contextlib.suppress(OSError):
                     self.fs.delete_file(tmp)
                 raise
             sync_dir(self.fs, parent)
         except OSError as err:
+            self.check_owner(doing)  # a failure a newer owner caused says so
             raise StorageError(f"cannot write {self.display(rel)}: {_reason(err)}") from err
 
     def append_line(self, rel: str, line: str) -> None:
@@ -176,6 +181,7 @@ class RunStorage:
             if new:
                 sync_dir(self.fs, parent)
         except OSError as err:
+            self.check_owner(f"appending to {self.display(rel)}")
             raise StorageError(f"cannot append to {self.display(rel)}: {_reason(err)}") from err
 
     def read_lines(self, rel: str) -> list[str]:

@@ -76,6 +76,34 @@ def test_without_the_fence_a_stale_owner_overwrites_the_newer_owners_files(tmp_p
     assert state.read_bytes() == b"A again"
 
 
+def test_a_write_paused_before_its_rename_is_told_it_no_longer_owns_the_run(tmp_path, monkeypatch):
+    """A owns the run and writes; between its temporary file and the rename that makes it
+    visible, B claims the run and its restore removes A's temporary file (seen in the two-owner
+    check). A is told it no longer owns the run, not that its rename failed, and the target
+    stays B's."""
+    import rollout_recovery.storage as storage_mod
+
+    storage = RunStorage(str(tmp_path / "run"))
+    root = storage.child_uri(DATA_PLANE)
+    a = storage.fenced(Fence.of(root, StagingStore.claim(root, first=True)))
+    a.write_bytes("batches/step-000003.arrow", b"A's first")
+    sync = storage_mod.sync_file
+
+    def paused(fs, path):  # A stops here; B takes the run over meanwhile
+        sync(fs, path)
+        monkeypatch.setattr(storage_mod, "sync_file", sync)
+        b = storage.fenced(Fence.of(root, StagingStore.claim(root)))
+        for rel in b.leftover_temporaries():
+            b.delete_file(rel)
+        b.write_bytes("batches/step-000003.arrow", b"B's")
+
+    monkeypatch.setattr(storage_mod, "sync_file", paused)
+    with pytest.raises(OwnerFenced, match="no longer owns"):
+        a.write_bytes("batches/step-000003.arrow", b"A's second")
+    assert (tmp_path / "run" / "batches" / "step-000003.arrow").read_bytes() == b"B's"
+    assert not list((tmp_path / "run" / "batches").glob("*.tmp-*"))
+
+
 def test_a_stale_owners_workers_write_no_token_log_segment(tmp_path):
     """The fence crosses into the workers inside their config, and their segment writer
     checks it before each segment."""
