@@ -37,7 +37,6 @@ import atexit
 import json
 import os
 import random
-import re
 import secrets
 import subprocess
 import sys
@@ -59,7 +58,6 @@ from rollout_recovery.testing.campaign.crash_points import (  # noqa: E402
     snapshot_name,
 )
 
-GROUP = re.compile(r"s(\d+)-p(\d+)(?:-r(\d+))?")
 PROMPTS_PER_STEP = 2  # recovery_check.overrides
 
 
@@ -110,10 +108,13 @@ def final_steps(run_dir: str) -> dict[int, dict]:
 
 
 def prompt_of(group: str) -> tuple[int, int]:
-    found = GROUP.fullmatch(group)
-    if not found:
+    """(prompt, attempt) of a trained group."""
+    from rollout_recovery.protocol import parse_group_id
+
+    parsed = parse_group_id(group)
+    if parsed is None:
         raise ValueError(f"{group} is not a driver group id")
-    return int(found[1]) * PROMPTS_PER_STEP + int(found[2]), int(found[3] or 0)
+    return parsed[0] * PROMPTS_PER_STEP + parsed[1], parsed[2]
 
 
 def check_prompts(run_dir: str, steps: dict[int, dict], cursor: dict) -> list[str]:

@@ -19,7 +19,6 @@ the buffer), then dispatch goes on from `next`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -27,10 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout_recovery.api import GroupResult
 from rollout_recovery.controller.stream import StartedGroup
 from rollout_recovery.controller.tasks import make_tasks
-from rollout_recovery.protocol import group_id
+from rollout_recovery.protocol import group_id, parse_group_id
 
 CURSOR_KEY = "async_cursor"  # the cursor's key in a trainer checkpoint's `extra`
-GROUP = re.compile(r"s(\d+)-p(\d+)(?:-r(\d+))?")  # group_id(step, prompt), then -r<attempt>
 
 
 class OpenPrompt(BaseModel):
@@ -72,10 +70,9 @@ class Producer:
         self._by_group: dict[str, OpenPrompt] = {}
         self._restored: dict[int, int] = {}  # prompt -> its newest attempt restored
         for gid in restored:
-            found = GROUP.fullmatch(gid)
-            if found:
-                prompt = int(found[1]) * self.per_step + int(found[2])
-                attempt = int(found[3] or 0)
+            parsed = parse_group_id(gid)
+            if parsed is not None:
+                prompt, attempt = parsed[0] * self.per_step + parsed[1], parsed[2]
                 self._restored[prompt] = max(attempt, self._restored.get(prompt, 0))
 
     def group_of(self, p: OpenPrompt) -> str:

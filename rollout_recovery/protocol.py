@@ -130,6 +130,16 @@ def step_prefix(step: int) -> str:
     return f"s{step:04d}-"
 
 
+GROUP_ID = re.compile(r"s(\d+)-p(\d+)(?:-r(\d+))?")
+
+
+def parse_group_id(group: str) -> tuple[int, int, int] | None:
+    """(step, prompt, attempt) of a driver group id (`group_id`, then `-r<attempt>` for a
+    prompt generated again by asynchronous GRPO); None for another id."""
+    found = GROUP_ID.fullmatch(group)
+    return None if found is None else (int(found[1]), int(found[2]), int(found[3] or 0))
+
+
 def check_id(name: str, value: Any) -> str:
     """`value` if it is a valid identifier; ValueError naming `name` otherwise."""
     if not isinstance(value, str) or not ID_RE.fullmatch(value) or len(value) > MAX_ID_LENGTH:

@@ -46,7 +46,7 @@ from rollout_recovery.data_plane.ownership import Fence, Owner
 from rollout_recovery.data_plane.snapshot_io import published_uris
 from rollout_recovery.errors import RestoreError, RunExistsError
 from rollout_recovery.model_identity import base_model_identity, resolve_model_path
-from rollout_recovery.protocol import Ledger, group_id
+from rollout_recovery.protocol import Ledger, group_id, parse_group_id
 from rollout_recovery.storage import RunStorage
 
 
@@ -106,9 +106,16 @@ def check_claimed(cfg: RolloutRecoveryConfig, choice: SnapshotChoice, step: int)
     g = cfg.grpo
     groups = {group_id(step, i) for i in range(g.prompts_per_step)}
     n = g.generations_per_prompt
-    orphans = [
-        e for e in choice.ledger.episodes if e.group_id not in groups or e.generation_index >= n
-    ]
+
+    def runs(group: str) -> bool:
+        if not g.async_grpo.enabled:
+            return group in groups
+        # Asynchronous GRPO: the producer starts the groups its cursor holds open and those
+        # dispatched after it, of any producer step (producer.py).
+        parsed = parse_group_id(group)
+        return parsed is not None and parsed[1] < g.prompts_per_step
+
+    orphans = [e for e in choice.ledger.episodes if not runs(e.group_id) or e.generation_index >= n]
     if orphans:
         e, many = orphans[0], "s" if len(orphans) > 1 else ""
         raise RestoreError(

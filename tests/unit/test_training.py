@@ -230,6 +230,13 @@ def test_a_restore_whose_episodes_the_first_step_would_not_run_is_refused():
         _check_claimed(cfg, _choice(("s0000-p001", 0), ("s0000-p001", 1)), 0)
     with pytest.raises(RestoreError, match="group s0000-p000"):  # a step other than the ledger's
         _check_claimed(cfg, _choice(("s0000-p000", 0)), 1)
+    # Asynchronous GRPO: the producer starts groups of any producer step, and prompts again.
+    cfg.grpo.async_grpo.enabled = True
+    _check_claimed(cfg, _choice(("s0003-p000", 1), ("s0001-p000-r2", 0)), 1)
+    with pytest.raises(RestoreError, match="group s0003-p001"):  # only 1 prompt per step
+        _check_claimed(cfg, _choice(("s0003-p001", 0)), 1)
+    with pytest.raises(RestoreError, match="group other"):
+        _check_claimed(cfg, _choice(("other", 0)), 1)
 
 
 def test_truncated_importance_weights_correct_stale_tokens_and_are_capped():
