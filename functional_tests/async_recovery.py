@@ -1,6 +1,6 @@
 """Asynchronous GRPO killed and restored, checked by invariants (docs/async_grpo.md).
 
-    .venv/bin/python functional_tests/async_recovery.py --out DIR [--kills 2] [--steps 4]
+    .venv/bin/python functional_tests/async_recovery.py --out DIR [--kills 2] [--steps 6]
         [--journal on|off] [--cuts 2] [--seed N] [overrides...]
 
 An asynchronous run cannot be compared token for token with an uninterrupted one (when a push
@@ -168,22 +168,29 @@ def trained_rows(run_dir: str, steps: dict[int, dict]) -> dict[str, object]:
     return {r.rollout_id: r for s in steps for r in table_to_replay_rows(batch(run_dir, s))}
 
 
-def staged_prefix(snapshot: str, keys: list[str]):
-    """The chunk rows of a continuation, from the snapshot's own files: (ids, spans)."""
+def staged_prefix(run_dir: str, snapshot: str, ident, keys: list[str]):
+    """A continuation's chunk rows, from the snapshot's own files and, for the rows a restore
+    took from the token log, its segments: (ids, spans), or None when one is missing."""
     import numpy as np
 
+    from rollout_recovery.controller.restore import TOKEN_LOG_DIR
     from rollout_recovery.data_plane import StagingStore
     from rollout_recovery.data_plane.filesystem import resolve
     from rollout_recovery.data_plane.schemas import table_to_chunk_rows
     from rollout_recovery.data_plane.snapshot_io import read_partitions
     from rollout_recovery.data_plane.spans import merged
+    from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
+    from rollout_recovery.storage import RunStorage
 
     fs, path = resolve(snapshot)
     files = [
         f for f in StagingStore.manifest(snapshot).body.files if f.partition.endswith("staging")
     ]
-    tables = read_partitions(fs, path, files)
-    rows = {r.key: r for t in tables.values() for r in table_to_chunk_rows(t)}
+    rows = {
+        r.key: r for t in read_partitions(fs, path, files).values() for r in table_to_chunk_rows(t)
+    }
+    logged, _ = TokenLogSegments.read(RunStorage(run_dir).child_uri(TOKEN_LOG_DIR), {ident})
+    rows |= {r.key: r for r in logged.get(ident, {}).values() if r is not None}
     chain = [rows[k] for k in keys if k in rows]
     if len(chain) != len(keys):
         return None
@@ -195,10 +202,17 @@ def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[l
     """[prefix]: every cut continuation resumed from exactly its prefix, by the engines' own
     records, and its trained tokens and versions at the prefix equal the staged rows."""
     from rollout_recovery.data_plane.spans import clipped, shifted
+    from rollout_recovery.protocol import CallIdentity
 
-    out, counts = [], {"continuations": 0, "resumed": 0, "compared_in_training": 0}
+    out, counts = (
+        [],
+        {"continuations": 0, "resumed": 0, "compared_in_training": 0, "taken_from_token_log": 0},
+    )
     sessions = session_records(run_dir)
+    token_log = rc.token_log_restores(run_dir)
     for k, killed in enumerate(kills):
+        if k < len(token_log):  # the continuations as the restore gave them to the workers
+            counts["taken_from_token_log"] += len(rc.with_token_log(killed["ledger"], token_log[k]))
         after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
         by_call = defaultdict(list)
         for r in after:
@@ -228,9 +242,12 @@ def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[l
             row = rows.get(ep["rollout_id"])
             if row is None or cont["call_id"] != "c0":
                 continue  # not trained (stale), or a later turn (not at a fixed place)
-            staged = staged_prefix(killed["snapshot"], cont["keys"])
+            ident = CallIdentity(ep["rollout_id"], cont["call_id"], cont["attempt"])
+            staged = staged_prefix(run_dir, killed["snapshot"], ident, cont["keys"])
             if staged is None:
-                out.append(f"[prefix] {name}: the snapshot lacks its chunk rows")
+                out.append(
+                    f"[prefix] {name}: neither the snapshot nor the token log holds its rows"
+                )
                 continue
             ids, spans = staged
             at = row.prompt_len
@@ -459,7 +476,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--level", choices=["prefix"], default="prefix")
     ap.add_argument("--kills", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--cuts", type=int, default=2, help="cut calls in each kill's snapshot")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-age", type=int, default=1, help="max_trajectory_age_steps")

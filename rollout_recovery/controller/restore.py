@@ -55,7 +55,8 @@ def restore_run(rr: RolloutRecovery, snapshot: str | None, mode: str | None) -> 
         if chosen is None:
             return None
         episodes = chosen.ledger.episodes
-        token_log = _extend_and_log(rr, restore_id, chosen.snapshot, episodes)
+        token_log = _extend_and_log(rr, restore_id, chosen.snapshot, episodes,
+                                    chosen.ledger.weight_version)  # fmt: skip
     finally:
         rr.env.end_restore(restore_id, episodes)
     rr.state.step = chosen.ledger.step
@@ -66,14 +67,17 @@ def restore_run(rr: RolloutRecovery, snapshot: str | None, mode: str | None) -> 
 
 
 def _extend_and_log(
-    rr: RolloutRecovery, restore_id: str, snapshot: str, episodes: list[EpisodeRecord]
-) -> dict:
-    """Extend the restored calls in flight from the token log, counted and logged to
-    RESTORES_LOG (a failed write loses only evidence, never the restore)."""
+    rr: RolloutRecovery, restore_id: str, snapshot: str, episodes: list[EpisodeRecord],
+    weight_version: int,
+) -> dict:  # fmt: skip
+    """Extend the restored calls in flight from the token log (with tokens of the restored
+    weights or older), counted and logged to RESTORES_LOG (a failed write loses only
+    evidence, never the restore)."""
     tc = rr.cfg.token_capture
     if not tc.log_uri or not episodes:
         return {}
-    ext = extend_from_token_log(episodes, rr.store, tc.staging_partition, tc.log_uri)
+    ext = extend_from_token_log(episodes, rr.store, tc.staging_partition, tc.log_uri,
+                                weight_version)  # fmt: skip
     for name, n in ext.counts.items():
         rr.metrics.add(name, n)
     line = {"restore_id": restore_id, "snapshot": snapshot, "token_log": ext.calls,

@@ -10,7 +10,11 @@ merged with the rows the snapshot holds:
 - the merged chain must run from chunk 0 without a gap, and pass the checks a resume makes
   (order, counts, chained digests, identity, weight versions, the prompt in chunk 0);
 - only a chain longer than the snapshot's is used: its rows beyond the snapshot are put into
-  the restored staging partition and the record's continuation names the whole chain.
+  the restored staging partition and the record's continuation names the whole chain;
+- it ends before the first logged row holding a token of newer weights than the snapshot's
+  (`max_version`): with weights pushed into calls in flight, rows logged after the snapshot can
+  hold tokens of weights the restore does not bring back, and the call's tail is decoded on the
+  restored ones (counted as `token_log_restore.newer_weights`).
 
 Any doubt leaves the snapshot's continuation as it is (counted by reason): a wrong prefix is
 worse than tokens decoded again. The worker that resumes the call checks the chain again.
@@ -44,10 +48,11 @@ def in_flight_call(rec: EpisodeRecord) -> CallIdentity:
 
 
 def extend_from_token_log(
-    records: list[EpisodeRecord], store, partition: str, log_uri: str
+    records: list[EpisodeRecord], store, partition: str, log_uri: str, max_version: int
 ) -> TokenLogExtension:
-    """Extend the records' continuations in place from the token log; put the rows they now
-    name into `store` (the restored StagingStore)."""
+    """Extend the records' continuations in place from the token log, with rows of weight
+    versions up to `max_version`; put the rows they now name into `store` (the restored
+    StagingStore)."""
     out = TokenLogExtension()
     wanted = {rec.rollout_id: in_flight_call(rec) for rec in records}
     logged, unreadable = TokenLogSegments.read(log_uri, set(wanted.values()))
@@ -59,7 +64,7 @@ def extend_from_token_log(
         if not rows:
             continue
         try:
-            new, cont = _extend(rec, ident, rows, store, partition)
+            new, cont = _extend(rec, ident, rows, store, partition, max_version, out.counts)
         except ResumeRefused as err:
             out.counts[f"token_log_restore.refused.{err.reason}"] += 1
             continue
@@ -82,6 +87,8 @@ def _extend(
     rows: dict[int, ChunkRow | None],
     store,
     partition: str,
+    max_version: int,
+    counts: Counter[str],
 ) -> tuple[list[ChunkRow], Continuation | None]:
     """(rows to put, the extended continuation), or (_, None) when the token log adds nothing."""
     cont = rec.continuation
@@ -97,6 +104,9 @@ def _extend(
             raise ResumeRefused("token_log_differs", f"{row.key} differs from the snapshot's")
     chain, seq = list(base), len(base)
     while rows.get(seq) is not None:
+        if max(v for v, _, _ in rows[seq].version_spans()) > max_version:
+            counts["token_log_restore.newer_weights"] += 1
+            break
         chain.append(rows[seq])
         seq += 1
     if len(chain) == len(base):

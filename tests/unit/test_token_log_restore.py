@@ -91,7 +91,7 @@ def test_a_cut_call_goes_on_from_its_longer_journal(tmp_path):
     store.put(STAGING, chunk_rows_to_table(rows[:1]))  # what the snapshot holds: chunk 0
     TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
     rec = _record("r1", _cut(rows[:1]), turns=1)
-    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path))
+    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path), 0)
     assert rec.continuation == _cut(rows)
     assert ext.calls["r1"]["tokens"] == 12 and ext.calls["r1"]["snapshot_tokens"] == 5
     assert ext.counts == {"token_log_restore.extended_calls": 1, "token_log_restore.tokens": 7}
@@ -99,12 +99,30 @@ def test_a_cut_call_goes_on_from_its_longer_journal(tmp_path):
     assert [r.digest for r in restored] == [r.digest for r in rows]
 
 
+def test_the_journal_stops_before_tokens_of_weights_the_restore_does_not_bring_back(tmp_path):
+    """Weights pushed into the call in flight after the snapshot (version 1): the restore brings
+    back version 0, so the chain ends before the first row holding a version-1 token."""
+    ident = CallIdentity("r1", "c1", 0)
+    rows = _chain(ident, [5, 3, 4])
+    rows[2].weight_version, rows[2].weight_versions = 1, [(0, 8, 10), (1, 10, 12)]
+    store = SyncStore()
+    store.put(STAGING, chunk_rows_to_table(rows[:1]))
+    TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
+    rec = _record("r1", _cut(rows[:1]), turns=1)
+    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path), 0)
+    assert rec.continuation == _cut(rows[:2])
+    assert ext.counts["token_log_restore.newer_weights"] == 1
+    rec = _record("r1", _cut(rows[:1]), turns=1)
+    extend_from_token_log([rec], store, STAGING, str(tmp_path), 1)  # restored onto version 1
+    assert rec.continuation == _cut(rows)
+
+
 def test_a_call_that_started_after_the_snapshot_goes_on_from_its_journal(tmp_path):
     ident = CallIdentity("r1", "c2", 0)  # the record committed two calls, none in flight
     rows = _chain(ident, [6])
     TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(rows))
     rec = _record("r1", None, turns=2)
-    extend_from_token_log([rec], SyncStore(), STAGING, str(tmp_path))
+    extend_from_token_log([rec], SyncStore(), STAGING, str(tmp_path), 0)
     assert rec.continuation == _cut(rows)
 
 
@@ -129,7 +147,7 @@ def test_a_journal_in_doubt_leaves_the_snapshot_continuation(tmp_path, logged, r
     store.put(STAGING, chunk_rows_to_table(rows[:1]))
     TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table(logged(rows, other)))
     rec = _record("r1", _cut(rows[:1]))
-    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path))
+    ext = extend_from_token_log([rec], store, STAGING, str(tmp_path), 0)
     assert rec.continuation == _cut(rows[:1]) and not ext.calls
     assert ext.counts == {f"token_log_restore.refused.{reason}": 1}
 
@@ -139,10 +157,10 @@ def test_a_gap_ends_the_chain_and_a_shorter_journal_adds_nothing(tmp_path):
     rows = _chain(ident, [5, 3, 4])
     TokenLogSegments(str(tmp_path), "w0").append(chunk_rows_to_table([rows[0], rows[2]]))
     rec = _record("r1", Continuation(call_id="c0", attempt=0))  # in flight, not cut
-    extend_from_token_log([rec], SyncStore(), STAGING, str(tmp_path))
+    extend_from_token_log([rec], SyncStore(), STAGING, str(tmp_path), 0)
     assert rec.continuation == _cut(rows[:1])  # chunk 2 cannot follow without chunk 1
     store = SyncStore()
     store.put(STAGING, chunk_rows_to_table(rows))
     cut = _record("r1", _cut(rows))
-    ext = extend_from_token_log([cut], store, STAGING, str(tmp_path))
+    ext = extend_from_token_log([cut], store, STAGING, str(tmp_path), 0)
     assert cut.continuation == _cut(rows) and ext.counts == {"token_log_restore.not_newer": 1}
