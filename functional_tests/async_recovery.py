@@ -186,9 +186,9 @@ def staged_prefix(run_dir: str, snapshot: str, ident, keys: list[str]):
     files = [
         f for f in StagingStore.manifest(snapshot).body.files if f.partition.endswith("staging")
     ]
-    rows = {
-        r.key: r for t in read_partitions(fs, path, files).values() for r in table_to_chunk_rows(t)
-    }
+    tables = [t.select([c for c in t.column_names if not c.startswith("_")])
+              for t in read_partitions(fs, path, files).values()]  # fmt: skip
+    rows = {r.key: r for t in tables for r in table_to_chunk_rows(t)}
     logged, _ = TokenLogSegments.read(RunStorage(run_dir).child_uri(TOKEN_LOG_DIR), {ident})
     rows |= {r.key: r for r in logged.get(ident, {}).values() if r is not None}
     chain = [rows[k] for k in keys if k in rows]
@@ -487,6 +487,7 @@ def main() -> int:
     ap.add_argument("--min-identical-logprobs", type=float, default=rc.MIN_IDENTICAL_LOGPROBS)
     ap.add_argument("--max-logprob-diff", type=float, default=rc.MAX_LOGPROB_DIFF)
     ap.add_argument("--fault", help="a fault armed after the first phase (faults.py)")
+    ap.add_argument("--verify-only", action="store_true", help="check --out's run again")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
     if args.kills >= args.steps:
@@ -500,11 +501,15 @@ def main() -> int:
     args.extra = [*async_overrides(args), *args.extra]
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    for d in ("run", "run-retry"):
+    for d in ("run", "run-retry") if not args.verify_only else ():
         subprocess.run(["rm", "-rf", str(args.out / d)], check=True)
+    if args.verify_only:  # the finished run in --out, checked again
+        saved = json.loads((args.out / "kills.json").read_text())
+        return report(args, saved["run_dir"], saved["kills"])
     t0 = time.monotonic()
     run_dir, kills = run_phases(args)
     print(f"runs took {time.monotonic() - t0:.0f} s", flush=True)
+    (args.out / "kills.json").write_text(json.dumps({"run_dir": run_dir, "kills": kills}))
     return report(args, run_dir, kills)
 
 
