@@ -1,7 +1,7 @@
 """Asynchronous GRPO killed and restored, checked by invariants (docs/async_grpo.md).
 
-    .venv/bin/python functional_tests/async_recovery.py --out DIR [--kills 2] [--steps 6]
-        [--journal on|off] [--cuts 2] [--seed N] [overrides...]
+    functional_tests/async_recovery.sh --out DIR [--level prefix|turn|none] [--kills 2]
+        [--steps 6] [--journal on|off] [--cuts 2] [--seed N] [overrides...]
 
 An asynchronous run cannot be compared token for token with an uninterrupted one (when a push
 lands decides which weights sample which token), so the run is checked by what must hold
@@ -21,6 +21,9 @@ however the pushes fell:
    - [logprobs] every trained token's behaviour logprob is what its recorded weight version
      computes for it: vLLM scores each trained sequence with each version's weights (from the
      trainer checkpoints), bit-identical share and largest difference per version;
+   - [committed] no rollout a snapshot had finished is decoded again after its restore;
+   - [level] at levels turn and none (`--level`; the kill then waits for a snapshot holding
+     --cuts calls in flight) no call resumes from a prefix: each is generated again;
    - [restore] each restore selected the snapshot its kill chose.
 3. Per kill, the work lost: tokens the engines decoded before the crash and decoded again
    after the restore, from their records.
@@ -64,6 +67,7 @@ PROMPTS_PER_STEP = 2  # recovery_check.overrides
 def async_overrides(args) -> list[str]:
     out = [
         "grpo.async_grpo.enabled=true",
+        f"rollout_recovery.target_level={args.level}",
         f"grpo.async_grpo.max_trajectory_age_steps={args.max_age}",
         # Every trainer checkpoint stays: each version's weights score its tokens.
         "rollout_checkpointing.keep_latest_k=1000",
@@ -71,6 +75,15 @@ def async_overrides(args) -> list[str]:
     if args.journal == "on":
         out.append("token_capture.log_interval_tokens=8")
     return out
+
+
+def in_flight(args, snapshot_uri: str) -> tuple[int, dict]:
+    """The kill's condition at levels turn and none: episodes in flight in the snapshot (a
+    single-turn call has no committed turn to count, and no cut)."""
+    from rollout_recovery.data_plane import StagingStore
+
+    ledger = json.loads(StagingStore.read_sidecar(snapshot_uri, "ledger.json"))
+    return len(ledger.get("episodes", [])), ledger
 
 
 def run_phases(args) -> tuple[str, list[dict]]:
@@ -265,6 +278,43 @@ def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[l
     return out, counts
 
 
+def check_restores(args, run_dir: str, kills: list[dict]) -> tuple[list[str], dict]:
+    """[committed]: no rollout a snapshot had finished (in the buffer) is decoded again after
+    its restore; [level]: below prefix level no call resumes from a prefix, and the calls in
+    flight at the kill are decoded again from their first token (counted)."""
+    sessions = session_records(run_dir)
+    out, counts = [], {"in_flight": 0, "generated_again": 0, "not_decoded_again": 0}
+    for k, killed in enumerate(kills):
+        after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
+        _, done = evidence.committed(killed["ledger"], killed["finished_keys"])
+        for r in after:
+            if r["rollout_id"] in done and r["decoded_tokens"]:
+                out.append(
+                    f"[committed] {r['rollout_id']} was finished in snapshot "
+                    f"{snapshot_name(killed['snapshot'])}, yet attempt {r['attempt']} decoded "
+                    f"{r['decoded_tokens']} tokens of it after the restore"
+                )
+        if args.level == "prefix":
+            continue
+        firsts: dict[tuple[str, str], dict] = {}
+        for r in sorted(after, key=lambda r: r["attempt"]):
+            firsts.setdefault((r["rollout_id"], r["model_call_id"]), r)
+        for ep in killed["ledger"].get("episodes", []):
+            counts["in_flight"] += 1
+            first = firsts.get((ep["rollout_id"], "c0"))
+            if first is None:  # finished at its engine before the snapshot (its answer in
+                counts["not_decoded_again"] += 1  # the snapshot), or its group went stale
+                continue
+            if first["resume"] == "resumed" or first["prefix_tokens"]:
+                out.append(
+                    f"[level] {ep['rollout_id']} resumed from {first['prefix_tokens']} tokens "
+                    f"at level {args.level} (only prefix level cuts calls)"
+                )
+            else:
+                counts["generated_again"] += 1
+    return out, counts
+
+
 def version_weights(run_dir: str, versions: set[int], tmp: Path) -> dict[str, str | None]:
     """Each version's weights as a directory vLLM loads: version v is the model of the trainer
     checkpoint of step v (its last one: a restore redoes steps), version 0 the base model."""
@@ -391,6 +441,8 @@ def report(args, run_dir: str, kills: list[dict]) -> int:
     rows = trained_rows(run_dir, steps)
     prefixed, prefix_counts = check_prefixes(args, run_dir, kills, rows)
     violations += prefixed
+    restored, restore_counts = check_restores(args, run_dir, kills)
+    violations += restored
     scored, logprobs = check_logprobs(args, run_dir, rows)
     violations += scored
     selected = [snapshot_name(e["snapshot"]) for e in restore_events(run_dir)]
@@ -414,6 +466,7 @@ def report(args, run_dir: str, kills: list[dict]) -> int:
         "cursor": cursor,
         "ages": ages,
         "prefix": prefix_counts,
+        "restored": restore_counts,
         "logprobs": logprobs,
         "lost_work": lost,
         "selected": selected,
@@ -446,12 +499,19 @@ def print_report(r: dict, path: Path) -> None:
             f"{c['dropped_stale']} attempts dropped stale",
         ),
         ("oldest group trained", f"age {max(a for s in r['ages'].values() for a in s.values())}"),
-        (
+    ]
+    if r["level"] == "prefix":
+        rows.append((
             "calls resumed from a cut",
             f"{r['prefix']['resumed']} of {r['prefix']['continuations']}"
             f" (compared in training: {r['prefix']['compared_in_training']})",
-        ),
-    ]
+        ))  # fmt: skip
+    else:
+        rows.append((
+            "calls in flight at the kills",
+            f"{r['restored']['in_flight']}: {r['restored']['generated_again']} generated again "
+            f"from their first token, {r['restored']['not_decoded_again']} not decoded again",
+        ))  # fmt: skip
     for v, f in r["logprobs"].items():
         rows.append(
             (
@@ -474,7 +534,7 @@ def print_report(r: dict, path: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--level", choices=["prefix"], default="prefix")
+    ap.add_argument("--level", choices=["prefix", "turn", "none"], default="prefix")
     ap.add_argument("--kills", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--cuts", type=int, default=2, help="cut calls in each kill's snapshot")
@@ -496,7 +556,10 @@ def main() -> int:
     atexit.register(rc.stop_left_runs)
     args.seed = secrets.randbelow(2**31) if args.seed is None else args.seed
     args.rng, args.token = random.Random(args.seed), secrets.token_urlsafe(16)
-    args.env, args.train, args.config, args.model, args.gpu = "tally", None, None, None, False
+    args.env, args.train, args.model, args.gpu = "tally", None, None, False
+    args.config = rc.REPO / "configs" / "prefix_recovery.yaml"  # its level set by override
+    if args.level != "prefix":
+        args.recoverable = in_flight
     args.max_turns, args.phase1_retries, args.storage = 1, 0, "local"
     args.extra = [*async_overrides(args), *args.extra]
     args.out = args.out.resolve()

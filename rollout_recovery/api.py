@@ -237,7 +237,7 @@ class RolloutRecovery:
         `failed`); too many in a row raise. TrainingRun.save_checkpoint calls this."""
         self.state.step, self.state.trainer_checkpoint = step, digest
         if not self.cfg.checkpointing.save_data_plane:
-            self.coordinator.held_for_trainer = False
+            self.coordinator.release_hold()
             return {"snapshot_s": 0.0}
         metrics = self._loop.run(self.coordinator.counted("trainer_checkpoint"))
         if metrics is None:

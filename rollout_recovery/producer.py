@@ -76,8 +76,7 @@ class Producer:
                 self._restored[prompt] = max(attempt, self._restored.get(prompt, 0))
 
     def group_of(self, p: OpenPrompt) -> str:
-        base = group_id(p.prompt // self.per_step, p.prompt % self.per_step)
-        return f"{base}-r{p.attempt}" if p.attempt else base
+        return group_id(p.prompt // self.per_step, p.prompt % self.per_step, p.attempt)
 
     def _task(self, prompt: int) -> dict:
         step, i = divmod(prompt, self.per_step)

@@ -120,10 +120,12 @@ def rollout_of_replay_key(key: str) -> str:
     return rollout_id(group, int(index))
 
 
-def group_id(step: int, prompt: int) -> str:
+def group_id(step: int, prompt: int, attempt: int = 0) -> str:
     """The GRPO driver's id of a step's `prompt`-th prompt group (its rollouts start with
-    `step_prefix(step)`)."""
-    return f"{step_prefix(step)}p{prompt:03d}"
+    `step_prefix(step)`); `attempt` > 0 for a prompt asynchronous GRPO generates again after
+    its group went stale (`-r<attempt>`). `parse_group_id` reads it back."""
+    base = f"{step_prefix(step)}p{prompt:03d}"
+    return f"{base}-r{attempt}" if attempt else base
 
 
 def step_prefix(step: int) -> str:
@@ -134,8 +136,7 @@ GROUP_ID = re.compile(r"s(\d+)-p(\d+)(?:-r(\d+))?")
 
 
 def parse_group_id(group: str) -> tuple[int, int, int] | None:
-    """(step, prompt, attempt) of a driver group id (`group_id`, then `-r<attempt>` for a
-    prompt generated again by asynchronous GRPO); None for another id."""
+    """(step, prompt, attempt) of a driver group id (`group_id`); None for another id."""
     found = GROUP_ID.fullmatch(group)
     return None if found is None else (int(found[1]), int(found[2]), int(found[3] or 0))
 

@@ -222,6 +222,11 @@ class CheckpointCoordinator:
             self.held_for_trainer = True
             return out
 
+    def release_hold(self) -> None:
+        """A trainer checkpoint without a snapshot (`checkpointing.save_data_plane=false`)
+        ends the hold too; no cadence runs then, so no attempt can be between."""
+        self.held_for_trainer = False
+
     async def _attempt(self, reason: str) -> dict:
         # A stale owner writes no snapshot files at all, not only no publication.
         self.storage.check_owner("taking a snapshot")

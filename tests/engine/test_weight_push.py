@@ -96,18 +96,21 @@ def test_weights_pushed_in_flight_are_recorded_per_token_for_the_caller_and_the_
 ):
     """A push while a call decodes: the call goes on (paused, its KV recomputed on the new
     weights), and its response header and its terminal row both record which tokens each
-    version sampled, split where the push landed."""
+    version sampled, split where the push landed (token k). Where k falls is timing; what the
+    call then decodes is not: the same call cut at k and resumed from its prefix on the new
+    weights decodes the same tokens with the same logprobs, bit for bit. So a schedule of
+    weight switches at fixed token counts, run as cuts and resumes, reproduces an in-flight
+    update exactly (docs/async_grpo.md)."""
     import threading
     import time
 
     from rollout_recovery.protocol import WEIGHT_VERSIONS_HEADER, decode_spans
+    from tests.engine.test_resume import _body, _stage
 
     worker, store = capture_worker
     url = worker.info.url
     version = worker.health().weight_version + 1
-    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 400, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": True, "return_token_ids": True,
-            "vllm_xargs": {"rr_rollout_id": "inflight", "rr_model_call_id": "c0"}}  # fmt: skip
+    body = _body("inflight", max_tokens=400, ignore_eos=True)
     out: dict = {}
     call = threading.Thread(target=lambda: out.update(
         resp=httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)))  # fmt: skip
@@ -133,6 +136,21 @@ def test_weights_pushed_in_flight_are_recorded_per_token_for_the_caller_and_the_
     table, _ = store.get("rollout_terminal", ["inflight/c0/a0/terminal"])
     [row] = table_to_terminal_rows(table)
     assert row.weight_versions == spans
+
+    # The schedule replayed: cut at k (staged as sampled by the old version), resumed on the new.
+    answer = resp.json()
+    cont = _stage(store, "inflight-replay", answer, k, version=old)
+    replay = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=120,
+        json=_body("inflight-replay", 1, cont, max_tokens=400, ignore_eos=True),
+    )
+    assert replay.status_code == 200, replay.text
+    got, want = replay.json()["choices"][0], answer["choices"][0]
+    assert got["token_ids"] == want["token_ids"]
+    logprobs = [[c["logprob"] for c in x["logprobs"]["content"]] for x in (got, want)]
+    assert logprobs[0] == logprobs[1]
+    assert decode_spans(replay.headers[WEIGHT_VERSIONS_HEADER]) == spans
     assert worker.push_weights(str(tiny_model_dir), version + 1) == version + 1
 
 

@@ -12,8 +12,10 @@ environment actors run on both nodes of a local Ray cluster, and restores it the
 check (functional_tests/own_loop_recovery.sh) runs the prefix check on a training loop of its own
 (examples/own_loop/train.py) instead of `rollout-recovery train`; the two-owner check
 (functional_tests/two_owners.sh) freezes that loop mid-generation, restores its run in a second
-process, thaws the first and requires it to stop writing. The checks and the runs broken on
-purpose share two cores through one scheduler (`jobs`). The built-in single-turn task's prefix
+process, thaws the first and requires it to stop writing. The async check
+(functional_tests/async_recovery.sh) kills asynchronous GRPO twice and checks its invariants;
+a tampered copy of its records must fail them. The checks and the runs broken on purpose share
+two cores through one scheduler (`jobs`). The built-in single-turn task's prefix
 recovery is killed at every crash point by tests/functional/test_crash_campaign.py."""
 
 from __future__ import annotations
@@ -117,6 +119,44 @@ class Job:
     argv: Callable[[dict[str, Path]], list[str]]
     after: tuple[str, ...] = ()
     timeout_s: float = 1500.0
+    prepare: Callable[[dict[str, Path]], None] | None = None  # run just before it starts
+
+
+ASYNC = REPO / "functional_tests" / "async_recovery.py"
+# Asynchronous GRPO at prefix level with the token log on: six steps of two groups of 4 calls of
+# 128 tokens, killed twice (each kill after a snapshot of a later step holding 2 cut calls).
+ASYNC_ARGS = ["--steps", "6", "--kills", "2", "--max-age", "1"]
+
+
+def _tamper_async(outs: dict[str, Path]) -> None:
+    """A copy of the passing async run's records with three invariants broken: one trained
+    token's behaviour logprob moved by 1e-3 (step 1's batch), a group of step 1 trained again
+    in step 2, and step 3 recorded as trained on weights two versions past its age bound (the
+    step log: the last record of a step wins)."""
+    saved = json.loads((outs["async"] / "kills.json").read_text())
+    run = outs["async_broken"] / Path(saved["run_dir"]).name  # run, or run-retry
+    shutil.copytree(saved["run_dir"], run, dirs_exist_ok=True)
+    (run.parent / "kills.json").write_text(json.dumps(saved | {"run_dir": str(run)}))
+    _perturb_logprob(run / "batches" / "step-000001.arrow")
+    log = run / "steps.jsonl"
+    last = {r["step"]: r for r in map(json.loads, log.read_text().splitlines()) if "event" not in r}
+    again = last[2] | {"groups": [*last[2]["groups"], last[1]["groups"][0]]}
+    aged = last[3] | {"weight_version": last[3]["weight_version"] + 2}
+    with log.open("a") as f:
+        f.write(json.dumps(again) + "\n" + json.dumps(aged) + "\n")
+
+
+def _perturb_logprob(path: Path) -> None:
+    """The first trained token's generation logprob in the batch at `path`, moved by 1e-3."""
+    table = pa.ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()
+    lps = table.column("logprobs").combine_chunks()
+    values = lps.values.to_numpy(zero_copy_only=False).copy()
+    mask = table.column("loss_mask").combine_chunks().values.to_numpy(zero_copy_only=False)
+    values[int(np.flatnonzero(mask)[0])] += 1e-3
+    perturbed = pa.ListArray.from_arrays(lps.offsets, pa.array(values, lps.type.value_type))
+    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs", perturbed)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
 
 
 def _check_job(name: str) -> Job:
@@ -139,6 +179,9 @@ JOBS = [
         str(FAILOVER), "--out", str(o["token_log_rows_corrupted"]), "--kill", "engine",
         *FAILOVER_ARGS, "--reference", str(o["failover"] / "reference"), "--fault",
         "token_log_rows_corrupted"], ("failover",), 900),
+    Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
+    Job("async_broken", lambda o: [str(ASYNC), "--out", str(o["async_broken"]), *ASYNC_ARGS,
+                                   "--verify-only"], ("async",), 900, _tamper_async),
 ]  # fmt: skip
 
 
@@ -168,6 +211,8 @@ def jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]
                 skipped = f"not run: {job.after} failed"
                 done[job.name] = (subprocess.CompletedProcess([], -1, skipped, ""), outs[job.name])
                 continue
+            if job.prepare is not None:
+                job.prepare(outs)
             env = os.environ | {processes.MARK_ENV: marks[job.name]}
             proc = subprocess.Popen([sys.executable, *job.argv(outs)], stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
@@ -249,6 +294,11 @@ def two_owners_run(jobs) -> Path:
     return _passed(jobs, "two_owners")
 
 
+@pytest.fixture(scope="module")
+def async_run(jobs) -> Path:
+    return _passed(jobs, "async")
+
+
 def _report(out: Path) -> dict:
     return json.loads((out / "parity.json").read_text())
 
@@ -309,16 +359,7 @@ def test_the_check_fails_on_one_perturbed_generation_logprob(prefix_run, tmp_pat
                                     "recovered_dir": str(tmp_path / "recovered")}  # fmt: skip
     (tmp_path / "parity.json").write_text(json.dumps(report))
     shutil.copy(prefix_run / "kills.json", tmp_path / "kills.json")
-    path = tmp_path / "recovered" / "batches" / "step-000001.arrow"
-    table = pa.ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()
-    lps = table.column("logprobs").combine_chunks()
-    values = lps.values.to_numpy(zero_copy_only=False).copy()
-    mask = table.column("loss_mask").combine_chunks().values.to_numpy(zero_copy_only=False)
-    values[int(np.flatnonzero(mask)[0])] += 1e-3
-    perturbed = pa.ListArray.from_arrays(lps.offsets, pa.array(values, lps.type.value_type))
-    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs", perturbed)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
+    _perturb_logprob(tmp_path / "recovered" / "batches" / "step-000001.arrow")
     proc = _check("--out", str(tmp_path), "--verify-only")
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     violations = _report(tmp_path)["violations"]
@@ -459,3 +500,34 @@ def test_a_stale_owner_thawed_after_a_restore_stops_and_writes_nothing(two_owner
     [line] = a1["fenced"]["stderr"]
     assert "no longer owns" in line and f"epoch {b['claim']['epoch']} " in line
     assert a1["wrote"]["touched"] == 0
+
+
+def test_asynchronous_grpo_killed_twice_keeps_every_invariant(async_run):
+    """Generation never stopped for training and weights changed under calls in flight; two
+    SIGKILLs and restores later every prompt was trained once or is still open, no group past
+    the age bound was trained, every cut call resumed from its staged prefix with its weight
+    versions, every trained token's behaviour logprob is its version's, bit for bit."""
+    report = _report(async_run)
+    assert report["violations"] == [] and report["level"] == "prefix"
+    assert report["journal"] == "on" and report["kills"] == 2
+    cursor = report["cursor"]
+    assert cursor["trained"] == 2 * report["steps"] == 12
+    assert max(a for s in report["ages"].values() for a in s.values()) <= 1
+    assert report["prefix"]["resumed"] == report["prefix"]["continuations"] >= 4
+    assert report["prefix"]["compared_in_training"] > 0
+    versions = report["logprobs"]
+    assert len(versions) >= 3  # tokens of several weight versions were trained
+    assert all(v["bit_identical"] == 1.0 for v in versions.values())
+    for lost in report["lost_work"]:
+        assert 0 <= lost["lost"] < lost["decoded_before_crash"]
+
+
+def test_the_async_check_fails_on_each_broken_invariant(jobs):
+    """The passing async run's records with a logprob moved, a prompt trained twice and a step
+    past its age bound (`_tamper_async`): verified again, each is named, and nothing else."""
+    proc, out = jobs["async_broken"]
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    violations = _report(out)["violations"]
+    assert {v.split(" ")[0] for v in violations} == {"[prompts]", "[age]", "[logprobs]"}
+    assert any("trained twice" in v for v in violations)
+    assert any(v.startswith("[logprobs] version 0") for v in violations)

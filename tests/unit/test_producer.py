@@ -11,6 +11,7 @@ from rollout_recovery.api import GroupResult
 from rollout_recovery.config import load_config
 from rollout_recovery.data_plane import ReplayRow
 from rollout_recovery.producer import Cursor, OpenPrompt, Producer
+from rollout_recovery.protocol import group_id, parse_group_id
 
 
 def _row(gid: str, i: int, oldest: int) -> ReplayRow:
@@ -103,3 +104,15 @@ def test_a_restore_starts_the_open_prompts_first_at_their_newest_attempt():
 def test_the_producer_refuses_a_buffer_smaller_than_a_step():
     with pytest.raises(Exception, match="max_groups_in_flight=1 is below"):
         FakeRun("grpo.async_grpo.max_groups_in_flight=1")
+
+
+@pytest.mark.parametrize("step,prompt,attempt", [(0, 0, 0), (3, 1, 0), (12, 7, 2)])
+def test_a_group_id_reads_back_as_its_step_prompt_and_attempt(step, prompt, attempt):
+    gid = group_id(step, prompt, attempt)
+    assert parse_group_id(gid) == (step, prompt, attempt)
+    assert ("-r" in gid) == (attempt > 0)  # a first attempt keeps the synchronous driver's id
+
+
+def test_ids_of_other_loops_are_not_driver_groups():
+    assert parse_group_id("my-group") is None
+    assert parse_group_id("s0001-p000-x") is None
