@@ -1,4 +1,5 @@
-"""Shared fixtures: one local Ray and one pair of vLLM workers for the whole session."""
+"""Shared fixtures: one local Ray and one pair of vLLM workers for the whole session, and the
+functional checks started with the session to run beside the in-process tests."""
 
 from __future__ import annotations
 
@@ -45,21 +46,33 @@ def two_workers(ray_session, tiny_cfg):
     pool.stop()
 
 
-@pytest.fixture(scope="session")
-def crash_chain(tmp_path_factory):
-    """The reduced crash-point campaign (rollout_recovery/testing/campaign/crash_points.py):
-    one 3-step run killed three times in a row under power loss and restored to the end, with
-    the uninterrupted reference run beside it. Its checks are in
-    tests/functional/test_crash_campaign.py; its finished run also serves
-    tests/engine/test_train_failures.py. Returns (workdir, result)."""
-    from rollout_recovery.testing.campaign import crash_points
+@pytest.fixture(scope="session", autouse=True)
+def functional_checks(request, tmp_path_factory):
+    """The functional checks the session's tests need (tests/functional/checks.py), started
+    before the first test: they run in subprocesses beside the in-process tests, which leave
+    much of the two cores idle, and the tests that need one wait for it. All of them when a
+    selected test needs `jobs`, only the crash chain when one needs `crash_chain`, none
+    otherwise (None). Ended with the session, also when it ends early."""
+    from tests.functional.checks import JOBS, Checks
 
-    work = tmp_path_factory.mktemp("crash-points")
-    result = crash_points.run_crash_campaign(
-        work,
-        points=[],
-        power_loss=True,
-        chains=[crash_points.CHAINS[0]],
-        reference_alongside=True,
-    )
-    return work, result
+    names = {n for item in request.session.items for n in getattr(item, "fixturenames", ())}
+    jobs = JOBS if "jobs" in names else [j for j in JOBS if j.name in names]
+    checks = Checks(jobs, tmp_path_factory.mktemp("checks")).start() if jobs else None
+    yield checks
+    if checks is not None:
+        checks.stop()
+
+
+@pytest.fixture(scope="session")
+def crash_chain(functional_checks):
+    """The reduced crash-point campaign (rollout_recovery/testing/campaign/crash_points.py): one
+    3-step run killed three times in a row under power loss and restored to the end, with the
+    uninterrupted reference run beside it, run as a job of the functional checks. Its checks
+    are in tests/functional/test_crash_campaign.py; its finished run also serves
+    tests/engine/test_train_failures.py. Returns (workdir, result)."""
+    from tests.functional.checks import crash_chain_result
+
+    proc, work = functional_checks.wait("crash_chain")
+    if proc.returncode != 0:
+        pytest.fail(f"the crash-point campaign failed:\n{proc.stdout[-3000:]}")
+    return work, crash_chain_result(work)

@@ -14,242 +14,28 @@ check (functional_tests/own_loop_recovery.sh) runs the prefix check on a trainin
 (functional_tests/two_owners.sh) freezes that loop mid-generation, restores its run in a second
 process, thaws the first and requires it to stop writing. The async check
 (functional_tests/async_recovery.sh) kills asynchronous GRPO twice and checks its invariants;
-a tampered copy of its records must fail them. The checks and the runs broken on purpose share
-two cores through one scheduler (`jobs`). The built-in single-turn task's prefix
-recovery is killed at every crash point by tests/functional/test_crash_campaign.py."""
+a tampered copy of its records must fail them. The checks and the runs broken on purpose run
+as jobs (tests/functional/checks.py) started with the session, beside the in-process tests.
+The built-in single-turn task's prefix recovery is killed at every crash point by
+tests/functional/test_crash_campaign.py."""
 
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "functional_tests"))
-import processes  # noqa: E402
+from tests.functional.checks import BROKEN, Checks, Done
 
-CHECK = REPO / "functional_tests" / "recovery_check.py"
-FAILOVER = REPO / "functional_tests" / "worker_failover.py"
-TWO_NODE = REPO / "functional_tests" / "two_node_recovery.py"
-TWO_OWNERS = REPO / "functional_tests" / "two_owners.py"
 pytestmark = pytest.mark.engine
 
 
-def _check(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(CHECK), *args, *SMALL], capture_output=True,
-                          text=True, timeout=900, check=False)  # fmt: skip
-
-
-SMALL = ["grpo.prompts_per_step=1"]  # one GRPO group of 4 per step (a config override)
-NOTES = ["--env", "notes", "--cuts", "2"]
-# With the token log on: each restore takes a call from the newer of its snapshot cut and its
-# token log, and the engine evidence is checked against what it took. A row every 2 tokens, so
-# even a kill soon after its snapshot finds token log rows past the cut.
-PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2",
-          "token_capture.log_interval_tokens=2"]  # fmt: skip
-# Three steps of 192-token turns: a kill may land in step 1 or 2, and each step's generation
-# outlasts a snapshot on the S3 server even with the four checks sharing two cores (a snapshot
-# there took 4-7 s; with 96-token turns a step's generation ended after its first snapshot,
-# which held no committed turn, so the kill never came).
-TURN = [*NOTES, "--level", "turn", "--max-tokens", "192", "--steps", "3"]
-GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
-           "--cuts", "2"]  # fmt: skip
-# Two groups of 4 calls a step; three steps, so a kill that missed its chance has another.
-FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]
-# Its defaults are the smallest size that still kills mid-generation: two steps of one group of
-# 4 calls of 128 tokens over two workers, killed once in step 1 with 3 cut calls published
-# (so cut calls on both workers), one restore.
-TWO_NODE_ARGS: list[str] = []
-# The prefix check on examples/own_loop/train.py: one group of 4 calls of 128 tokens a step,
-# killed once in step 1 or 2 (its own checkpoint restored) with 2 cut calls published. Three
-# steps: a kill that came too late for step 1 (a slow poll, four checks on two cores) has step
-# 2, where with two it found the run stopping its workers.
-OWN_LOOP = ["--train", "examples/own_loop/train.py", "--level", "prefix", "--steps", "3",
-            "--cuts", "2", "--max-tokens", "128"]  # fmt: skip
-# Its defaults are the smallest size: A frozen in step 1 or 2 of 3 (one group of 4 calls of
-# 128 tokens; with two steps a freeze that came too late for step 1 had no second chance), B
-# finishes step 3. No C (a third owner going on from B's history, `--no-successor`): the prefix
-# check's second restore goes on from its first's the same way, and C cost the suite a minute.
-TWO_OWNERS_ARGS = ["--no-successor"]
-RUNS = {
-    # Killed during step 0 (restored onto the base weights) and again during step 1 (onto a
-    # trainer checkpoint).
-    "prefix": PREFIX,
-    # checkpoint_dir on the local S3 server: snapshots, ledgers, trainer checkpoints and logs
-    # all through pyarrow.fs.
-    "turn": [*TURN, "--storage", "s3"],
-    # The harness processes are killed with the job and start again from the top.
-    "gateway": GATEWAY,
-    # No restart: a dead worker's calls continue on a live one (or its replacement).
-    "failover": FAILOVER_ARGS,
-    # A local two-node Ray cluster; checkpoints on the local S3 server.
-    "two_node": TWO_NODE_ARGS,
-    # A training loop of one's own on the TrainingRun API, in its own checkpoint format.
-    "own_loop": OWN_LOOP,
-    # A stale owner thawed after a restore took its run over.
-    "two_owners": TWO_OWNERS_ARGS,
-}
-SCRIPTS = {"failover": FAILOVER, "two_node": TWO_NODE, "two_owners": TWO_OWNERS}
-# The two-owner check with fencing_disabled is not repeated here (a third full run of three
-# owners for ~4 min of the suite): tests/unit/test_two_owners_verdict.py holds its verdict to
-# failing on a stale owner's writes, and tests/unit/test_fenced_writes.py shows the fault
-# letting them land; docs/testing.md gives the command for the whole run.
-BROKEN = ("resume_disabled", "redecode_committed_turns", "token_log_rows_corrupted")
-MAX_AT_ONCE = 4  # checks running at once on two cores (see `jobs`)
-
-
-@dataclass
-class Job:
-    """One check the suite runs: its command from the output folders, and the checks whose
-    output it needs first."""
-
-    name: str
-    argv: Callable[[dict[str, Path]], list[str]]
-    after: tuple[str, ...] = ()
-    timeout_s: float = 1500.0
-    prepare: Callable[[dict[str, Path]], None] | None = None  # run just before it starts
-
-
-ASYNC = REPO / "functional_tests" / "async_recovery.py"
-# Asynchronous GRPO at prefix level with the token log on: six steps of two groups of 4 calls of
-# 128 tokens, killed twice (each kill after a snapshot of a later step holding 2 cut calls).
-ASYNC_ARGS = ["--steps", "6", "--kills", "2", "--max-age", "1"]
-
-
-def _tamper_async(outs: dict[str, Path]) -> None:
-    """A copy of the passing async run's records with three invariants broken: one trained
-    token's behaviour logprob moved by 1e-3 (step 1's batch), a group of step 1 trained again
-    in step 2, and step 3 recorded as trained on weights two versions past its age bound (the
-    step log: the last record of a step wins)."""
-    saved = json.loads((outs["async"] / "kills.json").read_text())
-    run = outs["async_broken"] / Path(saved["run_dir"]).name  # run, or run-retry
-    shutil.copytree(saved["run_dir"], run, dirs_exist_ok=True)
-    (run.parent / "kills.json").write_text(json.dumps(saved | {"run_dir": str(run)}))
-    _perturb_logprob(run / "batches" / "step-000001.arrow")
-    log = run / "steps.jsonl"
-    last = {r["step"]: r for r in map(json.loads, log.read_text().splitlines()) if "event" not in r}
-    again = last[2] | {"groups": [*last[2]["groups"], last[1]["groups"][0]]}
-    aged = last[3] | {"weight_version": last[3]["weight_version"] + 2}
-    with log.open("a") as f:
-        f.write(json.dumps(again) + "\n" + json.dumps(aged) + "\n")
-
-
-def _perturb_logprob(path: Path) -> None:
-    """The first trained token's generation logprob in the batch at `path`, moved by 1e-3."""
-    table = pa.ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()
-    lps = table.column("logprobs").combine_chunks()
-    values = lps.values.to_numpy(zero_copy_only=False).copy()
-    mask = table.column("loss_mask").combine_chunks().values.to_numpy(zero_copy_only=False)
-    values[int(np.flatnonzero(mask)[0])] += 1e-3
-    perturbed = pa.ListArray.from_arrays(lps.offsets, pa.array(values, lps.type.value_type))
-    table = table.set_column(table.schema.get_field_index("logprobs"), "logprobs", perturbed)
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-
-
-def _check_job(name: str) -> Job:
-    script, small = SCRIPTS.get(name, CHECK), [] if name in SCRIPTS else SMALL
-    return Job(name, lambda outs: [str(script), "--out", str(outs[name]), *RUNS[name], *small])
-
-
-# Longest first among the checks, the deliberately broken runs last: each starts as soon as a
-# slot is free and the run it restores again has finished.
-JOBS = [
-    *(_check_job(name) for name in ("turn", "prefix", "gateway", "own_loop", "two_owners",
-                                    "failover", "two_node")),
-    Job("resume_disabled", lambda o: [
-        str(CHECK), "--out", str(o["resume_disabled"]), "--from-kill", str(o["prefix"]),
-        "--fault", "resume_disabled", *PREFIX, *SMALL], ("prefix",), 900),
-    Job("redecode_committed_turns", lambda o: [
-        str(CHECK), "--out", str(o["redecode_committed_turns"]), *TURN, "--from-kill",
-        str(o["turn"]), "--fault", "redecode_committed_turns", *SMALL], ("turn",), 900),
-    Job("token_log_rows_corrupted", lambda o: [
-        str(FAILOVER), "--out", str(o["token_log_rows_corrupted"]), "--kill", "engine",
-        *FAILOVER_ARGS, "--reference", str(o["failover"] / "reference"), "--fault",
-        "token_log_rows_corrupted"], ("failover",), 900),
-    Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
-    Job("async_broken", lambda o: [str(ASYNC), "--out", str(o["async_broken"]), *ASYNC_ARGS,
-                                   "--verify-only"], ("async",), 900, _tamper_async),
-]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Every check and every broken run, at most MAX_AT_ONCE at a time, each started as soon as
-    a slot is free and the runs it needs have finished: independent jobs, each mostly waiting
-    on its own processes, take far less together than one after another, and a run that
-    finishes early frees its slot for the next instead of waiting for a phase to end. (Five at
-    once on two cores made an S3 snapshot outlast a step's generation, so that the turn
-    check's kill never came; four was fine.) A job whose run it needs failed is not started."""
-    outs = {job.name: tmp_path_factory.mktemp(job.name) for job in JOBS}
-    # Each job's own mark: its processes (Ray, engines, actors) inherit it, and it signals only
-    # processes carrying it (functional_tests/processes.py).
-    marks = {job.name: f"suite-{job.name}-{secrets.token_hex(4)}" for job in JOBS}
-    pending, running = list(JOBS), {}
-    done: dict[str, tuple[subprocess.CompletedProcess, Path]] = {}
-
-    while pending or running:
-        for job in list(pending):
-            if len(running) >= MAX_AT_ONCE:
-                break
-            if any(dep not in done for dep in job.after):
-                continue
-            pending.remove(job)
-            if any(done[dep][0].returncode != 0 for dep in job.after):
-                skipped = f"not run: {job.after} failed"
-                done[job.name] = (subprocess.CompletedProcess([], -1, skipped, ""), outs[job.name])
-                continue
-            if job.prepare is not None:
-                job.prepare(outs)
-            env = os.environ | {processes.MARK_ENV: marks[job.name]}
-            proc = subprocess.Popen([sys.executable, *job.argv(outs)], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
-            # Read as it goes: a check's output must not fill the pipe and stop it.
-            running[job.name] = (job, proc, time.monotonic(), _drain(proc))
-        for name, (job, proc, started, reader) in list(running.items()):
-            late = proc.poll() is None and time.monotonic() - started >= job.timeout_s
-            if proc.poll() is None and not late:
-                continue
-            if late:  # the check's own timeouts failed to end it
-                processes.kill_marked(marks[name])
-            proc.wait()
-            reader.join()
-            text = reader.text + (
-                f"\nthe {name} check ran past {job.timeout_s:g} s" if late else ""
-            )
-            done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, text, ""),
-                          outs[name])  # fmt: skip
-            del running[name]
-        time.sleep(1)
-    deadline = time.monotonic() + 60  # none of a check's processes outlives it for long
-    while (left := {n: processes.pids_marked(m) for n, m in marks.items()}) and any(left.values()):
-        assert time.monotonic() < deadline, f"processes left by the checks: {left}"
-        time.sleep(1)
-    return done
-
-
-class _drain(threading.Thread):
-    """A process's output, read to its end on a thread of its own."""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        super().__init__(daemon=True)
-        self.proc, self.text = proc, ""
-        self.start()
-
-    def run(self) -> None:
-        self.text = self.proc.stdout.read()
+def jobs(functional_checks: Checks) -> dict[str, Done]:
+    """Every check and broken run (tests/functional/checks.py), started with the session:
+    waits for the ones still running."""
+    return functional_checks.wait_all()
 
 
 def _passed(jobs: dict, name: str) -> Path:
@@ -304,7 +90,7 @@ def _report(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def broken(jobs) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+def broken(jobs) -> dict[str, Done]:
     """The finished checks' kills restored (or the failover run repeated) deliberately broken:
     each check must fail on its own (each test asserts how)."""
     return {name: jobs[name] for name in BROKEN}
@@ -350,21 +136,20 @@ def test_the_check_fails_when_workers_silently_ignore_continuations(broken):
     assert lost["prefix"] == lost["turn"]  # every call in flight decoded again from its start
 
 
-def test_the_check_fails_on_one_perturbed_generation_logprob(prefix_run, tmp_path):
-    """A copy of the passing run with one generation logprob of the recovered batch moved by
-    1e-3, verified again from its files."""
-    for name in ("reference", "recovered"):
-        shutil.copytree(prefix_run / name, tmp_path / name)
-    report = _report(prefix_run) | {"reference_dir": str(tmp_path / "reference"),
-                                    "recovered_dir": str(tmp_path / "recovered")}  # fmt: skip
-    (tmp_path / "parity.json").write_text(json.dumps(report))
-    shutil.copy(prefix_run / "kills.json", tmp_path / "kills.json")
-    _perturb_logprob(tmp_path / "recovered" / "batches" / "step-000001.arrow")
-    proc = _check("--out", str(tmp_path), "--verify-only")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    violations = _report(tmp_path)["violations"]
+def test_the_check_fails_on_one_perturbed_generation_logprob(jobs):
+    """A copy of the passing prefix run with one generation logprob of the recovered batch moved
+    by 1e-3 (`_prefix_logprob_perturbed`), verified again from its files."""
+    proc, out = jobs["prefix_logprob_perturbed"]
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    violations = _report(out)["violations"]
     assert [v for v in violations if not v.startswith("[logprobs] step 1")] == []
     assert violations
+
+
+def test_no_check_left_a_process_behind(jobs, functional_checks: Checks):
+    """Within a minute of each job's end none of its processes (Ray, engines, actors, harnesses:
+    all carry its mark) is still alive."""
+    assert functional_checks.left == {}
 
 
 def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(turn_run):
