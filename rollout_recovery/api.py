@@ -35,12 +35,13 @@ controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_recovery import model_identity
+from rollout_recovery import faults, model_identity
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
 from rollout_recovery.controller.evidence import EvidenceLog
@@ -55,7 +56,7 @@ from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
 from rollout_recovery.data_plane.errors import BadInputError
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
-from rollout_recovery.errors import RecoveryError, RestoreError, RunStalled
+from rollout_recovery.errors import RecoveryError, RestoreError, RunStalled, one_line
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.placement import JobPlacement
 from rollout_recovery.protocol import EpisodeOutcome
@@ -195,6 +196,26 @@ class RolloutRecovery:
         tallies = self.workers.capture_metrics() if self.cfg.token_capture.enabled else None
         return self.metrics.collect(self.env.counters(), tallies)
 
+    def preempt(self, timeout_s: float, step: int) -> dict:
+        """A preemption (run.py calls it in the `control` group, beside the call the notice
+        interrupted): hold generation on every worker, so nothing more is decoded, then one
+        checkpoint attempt (`preemption`) within `timeout_s`, which at prefix level cuts every
+        call where it was held; then the engines' records go to the evidence log (as trainer
+        step `step`'s). Returns the attempt's metrics and `held`, or `failed` saying why."""
+        t0 = time.monotonic()
+        out: dict = {}
+        try:
+            if not faults.active("preemption_hold_disabled"):
+                out["held"] = self._loop.run(self.workers.ahold_generation(), timeout_s)
+            left = timeout_s - (time.monotonic() - t0)
+            metrics = self._loop.run(self.coordinator.counted("preemption", left), left + 5.0)
+        except Exception as err:  # reported: the run is ending either way
+            return out | {"failed": one_line(err) or type(err).__name__}
+        if metrics is None:
+            return out | {"failed": "its checkpoint attempt failed (checkpoints.jsonl says why)"}
+        self.record_call_attempts(step)
+        return out | metrics
+
     def record_call_attempts(self, step: int) -> int:
         """Append what the engines did per call attempt to the run's evidence log."""
         return self.evidence.record_call_attempts(step) if self.cfg.token_capture.enabled else 0
@@ -255,5 +276,7 @@ def SingleController(
     if owner is None:  # claimed here, in the caller: its error is one line
         owner = claim_snapshot_root(RunStorage(cfg.checkpointing.checkpoint_dir))
     init_ray(ray_address, log_to_driver=False)
-    options = {"num_cpus": 0, "max_concurrency": 1}
+    # One call at a time, and beside it the `control` group: a preemption's final checkpoint
+    # and close run while the call its notice interrupted still holds the default group.
+    options = {"num_cpus": 0, "max_concurrency": 1, "concurrency_groups": {"control": 1}}
     return ActorProxy(RolloutRecovery, (cfg, ray_address, owner), start="start", **options)

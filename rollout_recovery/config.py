@@ -624,6 +624,28 @@ class LivenessConfig(_Block):
     """Seconds between the controller's looks at what the episodes are doing."""
 
 
+class PreemptionConfig(_Block):
+    """What a run does when it is told it will be stopped (docs/preemption.md): SIGTERM, as
+    Kubernetes and spot-instance agents send it, or a notice file some schedulers write. The
+    run holds every call in flight, cuts it, publishes a final snapshot and exits 0 with one
+    line saying what was saved; `train --restore` then continues without decoding any token
+    twice (at prefix level)."""
+
+    enabled: bool = True
+    """Turn SIGTERM (and `notice_file`) into a final checkpoint. Off, SIGTERM ends the run as
+    before: the last published snapshot and the token log still hold."""
+
+    grace_s: Float = Field(25.0, gt=0.0)
+    """Seconds between the notice and the scheduler's SIGKILL (Kubernetes'
+    `terminationGracePeriodSeconds` is 30 by default: leave it a margin). The final checkpoint
+    must publish within it; one that cannot is abandoned, and the line says the last published
+    snapshot and the token log hold the run."""
+
+    notice_file: str | None = None
+    """A local path whose appearance announces a preemption, polled every second (for
+    schedulers that announce one that way instead of with a signal); null: signals only."""
+
+
 # A Ray node id: 28 bytes in hex (`ray list nodes`, ray.get_runtime_context().get_node_id()).
 NODE_ID_PATTERN = r"[0-9a-f]{56}"
 
@@ -875,6 +897,9 @@ class RolloutRecoveryConfig(_Block):
 
     liveness: LivenessConfig = LivenessConfig()
     """When a step that makes no progress stops instead of waiting forever."""
+
+    preemption: PreemptionConfig = PreemptionConfig()
+    """A final checkpoint on SIGTERM or a notice file, then exit 0."""
 
     placement: PlacementConfig = PlacementConfig()
     """Where Ray places the store shards, the environment actors and the workers (one machine or

@@ -65,6 +65,17 @@ class WorkerDied(RecoveryError):
     its connection broke): the call cannot move to another worker, so the step stops."""
 
 
+class Preempted(SystemExit):
+    """The run was told it will be stopped (SIGTERM, or `preemption.notice_file`) and took its
+    final checkpoint (run.py): raised out of the training loop's call into the run, and, like
+    `sys.exit(0)`, it ends the process with status 0 unless the loop catches it. `notice` says
+    which notice came."""
+
+    def __init__(self, notice: str) -> None:
+        super().__init__(0)
+        self.notice = notice
+
+
 class UserCodeError(RecoveryError):
     """The user's own code raised (or returned what it must not): the message names the
     function, the episode or step and the fix; `frames` is the user's own part of the

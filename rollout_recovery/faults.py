@@ -18,6 +18,9 @@ through their Ray runtime environment. Nothing sets it outside tests.
   (snapshot publication still does), so a stale owner writes over the newer owner's files;
 - `pairing_disabled`: a restore takes the trainer checkpoint of the snapshot's step without
   comparing its digest with the one the snapshot's ledger recorded.
+- `preemption_hold_disabled`: a preemption's final checkpoint cuts the calls without holding
+  generation first, so the engines go on decoding past the cuts until they stop, and a restore
+  decodes those tokens again.
 
 `ROLLOUT_RECOVERY_FAULTFS=<state dir>` puts every local path the run resolves (snapshots,
 trainer checkpoints, logs) behind a fault-injecting filesystem sharing that state directory,
@@ -47,6 +50,7 @@ FAULTS = (
     "token_log_rows_corrupted",
     "fencing_disabled",
     "pairing_disabled",
+    "preemption_hold_disabled",
 )
 
 

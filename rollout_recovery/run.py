@@ -35,6 +35,7 @@ What the run does for the loop:
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import time
@@ -58,8 +59,9 @@ from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import LeaseResult
 from rollout_recovery.data_plane.ownership import Fence, Owner
-from rollout_recovery.errors import CheckpointWriteError, RecoveryError, RunStalled
+from rollout_recovery.errors import CheckpointWriteError, Preempted, RecoveryError, RunStalled
 from rollout_recovery.model_identity import resolve_model_path
+from rollout_recovery.preemption import NoticeWatch
 from rollout_recovery.protocol import group_id
 from rollout_recovery.runtime import ActorProxy
 from rollout_recovery.storage import RunStorage, StorageError
@@ -67,6 +69,7 @@ from rollout_recovery.storage import RunStorage, StorageError
 __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "group_id"]
 
 WEIGHTS_DIR = "weights"
+CLOSE_S = 5.0  # of a preemption's grace, kept for stopping the job after its checkpoint
 
 
 class TrainingRun:
@@ -91,6 +94,8 @@ class TrainingRun:
         self._batch_digest: str | None = None
         self.restored: dict | None = None  # the restored snapshot's ledger (`open`)
         self.model_dir = resolve_model_path(cfg.policy.model_path)  # policy.model_path, local
+        self._notices = NoticeWatch(cfg.preemption)  # SIGTERM / notice file (preemption.py)
+        self._last_step = self.start_step - 1  # the last step begun
 
     @classmethod
     def open(
@@ -118,6 +123,7 @@ class TrainingRun:
         run = cls(cfg, mine, owner, plan)
         try:
             run.rollouts = SingleController(cfg, ray_address, owner=owner)
+            run._notices.start()  # after Ray's start, which installs a SIGTERM handler of its own
             if plan is not None:
                 run.restored = run.rollouts.restore(plan.choice.snapshot)
         except BaseException:
@@ -128,17 +134,58 @@ class TrainingRun:
     def __enter__(self) -> TrainingRun:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type | None, err: BaseException | None, tb: object) -> None:
+        notice = self._notices.notice
+        if isinstance(err, Preempted) or (isinstance(err, KeyboardInterrupt) and notice):
+            self._final_checkpoint()
+            self.close(preempted=True)
+            if not isinstance(err, Preempted):  # the notice landed outside a guarded wait
+                raise Preempted(notice) from None
+            return
         self.close()
 
-    def close(self) -> None:
-        """Stop the job (workers, store, environment); the location keeps everything."""
+    def close(self, preempted: bool = False) -> None:
+        """Stop the job (workers, store, environment); the location keeps everything. After a
+        preemption's final snapshot nothing the job holds is needed and the grace is short:
+        the controller is ended at once, and the workers and the store with it (it owns them),
+        while the call the notice interrupted may still hold it."""
+        self._notices.stop()
         if self.rollouts is not None:
-            self.rollouts.close()
-            self.rollouts = None
+            rollouts, self.rollouts = self.rollouts, None
+            if preempted:
+                rollouts.kill()
+            else:
+                rollouts.close()
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
+
+    def _final_checkpoint(self) -> None:
+        """A preemption: hold every call, cut it, publish a snapshot within the grace left
+        (less the time to stop), log it, and say in one line what was saved."""
+        notice, grace = self._notices.notice, self.cfg.preemption.grace_s
+        left = self._notices.time_left() - min(CLOSE_S, grace / 5)
+        if self.rollouts is None or left <= 0:
+            out = {"failed": f"no time left of preemption.grace_s={grace:g}"}
+        else:
+            out = self.rollouts.call_in("control", "preempt", left, self._last_step + 1)
+        event = {"event": "preempted", "notice": notice, "step": self._last_step + 1} | {
+            k: out[k]
+            for k in ("held", "checkpoint", "calls_cut", "calls_not_cut", "failed", "save_s")
+            if k in out
+        }
+        with contextlib.suppress(RecoveryError, OSError):  # the line below says it either way
+            step_log.append(self.storage, event)
+        if "failed" in out:
+            held = "snapshot and the token log" if self.cfg.token_capture.log_interval_tokens else (
+                "snapshot")  # fmt: skip
+            print(f"preempted ({notice}): the final checkpoint did not finish within "
+                  f"preemption.grace_s={grace:g} ({out['failed']}); the last published {held} "
+                  "still hold the run: continue it with `train --restore`", flush=True)  # fmt: skip
+            return
+        print(f"preempted ({notice}): {out.get('held', 0)} calls in flight held, "
+              f"{out.get('calls_cut', 0)} cut; snapshot {out['checkpoint']} published in "
+              f"{out['save_s']:.1f} s; continue with `train --restore`", flush=True)  # fmt: skip
 
     # ------------------------------------------------------------------ weights
 
@@ -182,6 +229,7 @@ class TrainingRun:
 
     def begin_step(self, step: int) -> None:
         """Start generating step `step`'s rollouts (recorded in the snapshots' ledgers)."""
+        self._notices.check()
         if self._weights_due:
             raise RecoveryError(
                 f"run.checkpoint holds the trainer state of step {self.checkpoint.step}: load it, "
@@ -190,6 +238,7 @@ class TrainingRun:
             )
         self.rollouts.set_step(step)
         self._step, self._t0, self._batch_digest = step, time.monotonic(), None
+        self._last_step = step
         self._wait_s = 0.0
         self._before = self.rollouts.counters()
 
@@ -205,7 +254,8 @@ class TrainingRun:
         is written to the step log before it raises."""
         step = self._current()
         try:
-            results = self.rollouts.submit_groups(groups, seeds)
+            with self._notices.interruptible():
+                results = self.rollouts.submit_groups(groups, seeds)
         except RunStalled as err:
             step_log.append(self.storage, {"event": "stalled", "step": step,
                                            "reason": err.reason, "error": str(err)})  # fmt: skip
@@ -224,7 +274,8 @@ class TrainingRun:
     def finished_groups(self, n: int, timeout_s: float | None = None) -> list[GroupResult]:
         """The first `n` started groups to finish, oldest first (waiting for them)."""
         t0 = time.monotonic()
-        results = self.rollouts.finished_groups(n, timeout_s)
+        with self._notices.interruptible():
+            results = self.rollouts.finished_groups(n, timeout_s)
         self._wait_s += time.monotonic() - t0
         return results
 
@@ -306,6 +357,7 @@ class TrainingRun:
         step_log.append(self.storage, line)
         crash_point("step_logged")
         self._step = None
+        self._notices.check()  # a notice during the step: its checkpoint is written, now stop
         return line
 
     def _current(self) -> int:

@@ -42,7 +42,9 @@ def actor_class(cls: type, **options: Any) -> Any:
         runtime_env = dict(options.get("runtime_env") or {})
         runtime_env["env_vars"] = dict(runtime_env.get("env_vars") or {}) | fault_env
         options["runtime_env"] = runtime_env
-    return ray.remote(cls).options(**options)
+    groups = options.pop("concurrency_groups", None)  # fixed with the class, not an option
+    remote = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+    return remote.options(**options)
 
 
 class LoopThread:
@@ -124,8 +126,24 @@ class ActorProxy:
 
         return call
 
+    def call_in(self, group: str, name: str, *args: Any, timeout: float | None = None) -> Any:
+        """`name(*args)` in the actor's concurrency group `group`: it runs beside a call still
+        holding the default group (one a signal interrupted in the caller)."""
+        method = getattr(self.actor, name).options(concurrency_group=group)
+        try:
+            return ray.get(method.remote(*args), timeout=timeout)
+        except ray.exceptions.RayTaskError as err:
+            cause = expected(err)
+            if cause is not err:
+                raise cause from None
+            raise
+
     def close(self) -> None:
         try:
             ray.get(self.actor.close.remote())
         finally:
             ray.kill(self.actor)
+
+    def kill(self) -> None:
+        """End the actor now, without its close (the actors it owns end with it)."""
+        ray.kill(self.actor)

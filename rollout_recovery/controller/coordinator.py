@@ -43,7 +43,7 @@ from rollout_recovery.data_plane.ownership import Owner, OwnerFenced
 from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.participant import ProtocolError
-from rollout_recovery.errors import CheckpointWriteError, RunStalled, one_line
+from rollout_recovery.errors import CheckpointWriteError, RecoveryError, RunStalled, one_line
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.protocol import CheckpointRecords, Ledger, ServedModel
 from rollout_recovery.storage import RunStorage
@@ -107,6 +107,7 @@ class CheckpointCoordinator:
         # now would pair the older checkpoint with a buffer that lacks them (asynchronous GRPO,
         # whose cadence runs while the trainer trains), so the cadence skips until it is.
         self.held_for_trainer = False
+        self.final = False  # a preemption's snapshot was published: the run is ending
 
     async def cadence(self, stop: asyncio.Event | None = None) -> None:
         """Attempt a checkpoint every `snapshot_attempt_interval_s` until `stop` is set or the
@@ -162,11 +163,11 @@ class CheckpointCoordinator:
             cadence.exception()  # retrieved: the work's outcome is what the step reports
         return bool(done)
 
-    async def counted(self, reason: str) -> dict | None:
+    async def counted(self, reason: str, timeout_s: float | None = None) -> dict | None:
         """One attempt, counted with every other: a failure is logged and returns None until
         max_consecutive_failures fail in a row, which raises CheckpointWriteError."""
         try:
-            metrics = await self.attempt(reason)
+            metrics = await self.attempt(reason, timeout_s)
         except OwnerFenced as err:  # a newer controller owns the run: stop now, not retried
             log.error("%s", one_line(err))
             with contextlib.suppress(OwnerFenced):  # the log is the newer owner's now
@@ -203,16 +204,26 @@ class CheckpointCoordinator:
             continuations=records.continuations,
         )
 
-    async def attempt(self, reason: str) -> dict | None:
-        """One checkpoint attempt; returns its metrics (also appended to the checkpoint log),
-        or None when a cadence attempt is skipped while held for the trainer."""
+    async def attempt(self, reason: str, timeout_s: float | None = None) -> dict | None:
+        """One checkpoint attempt, within `rollout_checkpointing.attempt_timeout_s` (or
+        `timeout_s` when shorter: a preemption's grace); returns its metrics (also appended to
+        the checkpoint log), or None when a cadence attempt is skipped while held for the
+        trainer."""
         async with self.between_attempts:
+            if self.final:  # after a preemption's snapshot nothing newer is published
+                self.metrics.add("checkpoints_skipped.after_preemption")
+                return None
+            if self.held_for_trainer and reason == "preemption":
+                raise RecoveryError("the trainer had acked rows and not yet written the "
+                                    "checkpoint they pair with")  # fmt: skip
             if self.held_for_trainer and reason == "cadence":
                 self.metrics.add("checkpoints_skipped.held_for_trainer")
                 return None
             if reason == "trainer_checkpoint":  # its digest is the ledger's from now on
                 self.held_for_trainer = False
-            return await self._attempt(reason)
+            metrics = await self._attempt(reason, timeout_s)
+            self.final = reason == "preemption"
+            return metrics
 
     async def ack_held(self, ack: Callable[[], Awaitable[T]]) -> T:
         """Run `ack` between attempts, then hold the cadence until the next trainer checkpoint
@@ -227,12 +238,15 @@ class CheckpointCoordinator:
         ends the hold too; no cadence runs then, so no attempt can be between."""
         self.held_for_trainer = False
 
-    async def _attempt(self, reason: str) -> dict:
+    async def _attempt(self, reason: str, timeout_s: float | None) -> dict:
         # A stale owner writes no snapshot files at all, not only no publication.
         self.storage.check_owner("taking a snapshot")
         t0 = time.monotonic()
         epoch = next(self.epochs)
         timeout = self.cfg.rollout_checkpointing.attempt_timeout_s
+        limit = f"rollout_checkpointing.attempt_timeout_s={timeout}"
+        if timeout_s is not None and timeout_s < timeout:
+            timeout, limit = timeout_s, f"the {timeout_s:.1f} s it was given"
         full_every = self.cfg.rollout_checkpointing.full_snapshot_every
         lease_s = max(self.cfg.token_capture.control_timeout_s * 3, timeout + 5)
         ckpt_id = f"ckpt-{self.state.step}-{epoch}"
@@ -301,8 +315,7 @@ class CheckpointCoordinator:
                 outcome = "it was published just before the abort" if late else (
                     "aborted, nothing published")  # fmt: skip
                 raise TimeoutError(
-                    f"checkpoint {ckpt_id} took longer than rollout_checkpointing."
-                    f"attempt_timeout_s={timeout}; {outcome}"
+                    f"checkpoint {ckpt_id} took longer than {limit}; {outcome}"
                 ) from None
             raise
         keep = self.cfg.rollout_checkpointing.keep_latest_k

@@ -314,6 +314,23 @@ class WorkerPool:
 
     # ---------------------------------------------------------------- weights and evidence
 
+    async def ahold_generation(self) -> int:
+        """Stop decoding on every live worker, keeping the calls in flight (a preemption);
+        returns the calls held. A worker gone meanwhile is marked lost and holds nothing."""
+        with self._lock:
+            live = [(i, w) for i, w in enumerate(self.workers) if i not in self.lost]
+        answers = await asyncio.gather(*(w._ref("hold_generation") for _, w in live),
+                                       return_exceptions=True)  # fmt: skip
+        held = 0
+        for (i, _), answer in zip(live, answers, strict=True):
+            if isinstance(answer, WORKER_GONE):
+                self.mark_lost(i, "actor_dead")
+            elif isinstance(answer, BaseException):
+                raise answer
+            else:
+                held += answer
+        return held
+
     def push_weights(self, weights_dir: str, weight_version: int, in_flight: bool = True) -> None:
         """Load new weights into every live worker (into its calls in flight, or once they
         ended); a replacement being started gets them before it joins."""

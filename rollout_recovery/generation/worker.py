@@ -227,6 +227,27 @@ class GenerationWorker:
             self._service.capture.weight_version = weight_version
         return weight_version
 
+    async def hold_generation(self) -> int:
+        """Stop decoding, keeping every call in flight where it is (a preemption: the calls
+        are cut next, and the process ends before they go on). Returns the calls held."""
+        if self._engine is None:
+            raise RuntimeError("worker not started")
+        await self._engine.pause_generation(mode="keep", clear_cache=False)
+        if self._service is None:
+            return 0
+        capture = self._service.capture
+        # The engine's last outputs may still be on their way to the capture: wait until the
+        # captured token counts stop moving, so a cut now holds every token decoded.
+        seen, deadline = None, time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            with capture.lock:
+                now = sum(call.progress()[0] for call in capture.calls.values())
+            if now == seen:
+                break
+            seen = now
+            await asyncio.sleep(0.05)
+        return len(capture.calls)
+
     async def info(self) -> WorkerInfo:
         if self._info is None:
             raise RuntimeError("worker not started")

@@ -106,6 +106,7 @@ class Job:
     prepare: Callable[[dict[str, Path]], None] | None = None  # run just before it starts
 
 
+PREEMPTION = REPO / "functional_tests" / "preemption_check.py"
 ASYNC = REPO / "functional_tests" / "async_recovery.py"
 # Asynchronous GRPO at prefix level with the token log on: six steps of two groups of 4 calls of
 # 128 tokens, killed twice (each kill after a snapshot of a later step holding 2 cut calls).
@@ -188,6 +189,11 @@ JOBS = [
     *(_check_job(name) for name in ("turn", "prefix", "gateway", "own_loop", "two_owners",
                                     "failover", "two_node")),
     Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
+    # Two steps of two groups of 4 calls of 256 tokens, SIGTERM in step 1 (its defaults).
+    Job("preemption", lambda o: [str(PREEMPTION), "--out", str(o["preemption"])]),
+    Job("preemption_hold_disabled", lambda o: [
+        str(PREEMPTION), "--out", str(o["preemption_hold_disabled"]), "--fault",
+        "preemption_hold_disabled"], (), 900),
     Job("resume_disabled", lambda o: [
         str(CHECK), "--out", str(o["resume_disabled"]), "--from-kill", str(o["prefix"]),
         "--fault", "resume_disabled", *PREFIX, *SMALL], ("prefix",), 900),

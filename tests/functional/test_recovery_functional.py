@@ -85,6 +85,11 @@ def async_run(jobs) -> Path:
     return _passed(jobs, "async")
 
 
+@pytest.fixture(scope="module")
+def preemption_run(jobs) -> Path:
+    return _passed(jobs, "preemption")
+
+
 def _report(out: Path) -> dict:
     return json.loads((out / "parity.json").read_text())
 
@@ -316,3 +321,29 @@ def test_the_async_check_fails_on_each_broken_invariant(jobs):
     assert {v.split(" ")[0] for v in violations} == {"[prompts]", "[age]", "[logprobs]"}
     assert any("trained twice" in v for v in violations)
     assert any(v.startswith("[logprobs] version 0") for v in violations)
+
+
+def test_a_preempted_run_saves_every_call_and_decodes_no_token_twice(preemption_run):
+    """SIGTERM to `train` mid-generation: it held and cut every call, published, exited 0 in one
+    line within the grace and left no process; the restore resumed every cut call from exactly
+    its cut, and by the engines' records no token decoded before the SIGTERM was decoded
+    again."""
+    report = _report(preemption_run)
+    assert report["violations"] == [] and report["fault"] is None
+    pre = report["preempted"]
+    assert pre["exit_code"] == 0 and pre["processes_left"] == []
+    [line] = pre["lines"]
+    assert line.startswith("preempted (SIGTERM): ") and "continue with `train --restore`" in line
+    assert report["calls_cut"] >= 2 and report["calls_held"] >= report["calls_cut"]
+    assert report["selected"] == [report["snapshot"].rsplit("/", 1)[-1]]
+    lost = report["lost_work"]
+    assert lost["prefix"] == 0 < lost["decoded_before_crash"]
+
+
+def test_the_preemption_check_fails_when_generation_is_not_held(jobs):
+    """The calls cut without holding generation first: the engines decoded past the cuts until
+    they stopped, and the restore decoded those tokens again."""
+    proc, out = jobs["preemption_hold_disabled"]
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    violations = _report(out)["violations"]
+    assert any(v.startswith("[decoded_twice]") for v in violations), violations
