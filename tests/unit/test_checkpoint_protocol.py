@@ -117,9 +117,9 @@ def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
     calls = []
     orig = rr.attempt
 
-    async def counted(reason):
+    async def counted(reason, timeout_s=None):
         calls.append(reason)
-        return await orig(reason)
+        return await orig(reason, timeout_s)
 
     rr.attempt = counted
 
