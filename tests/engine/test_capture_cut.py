@@ -42,6 +42,19 @@ async def _post(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return resp.json()
 
 
+async def _decoding(worker, rollouts: list[str], timeout_s: float = 120.0) -> None:
+    """Until the engine has decoded a token of each of these calls (its own records): on a
+    loaded machine a call may reach the engine later than a fixed sleep allows."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page = await worker.acall_attempts(0)
+        started = {r["rollout_id"] for r in page["attempts"] if r["decoded_tokens"] > 0}
+        if started >= set(rollouts):
+            return
+        assert time.monotonic() < deadline, f"calls never decoded: {set(rollouts) - started}"
+        await asyncio.sleep(0.02)
+
+
 def test_cuts_stage_exactly_the_generated_prefix(capture_worker):
     worker, store = capture_worker
     url = worker.info.url
@@ -56,6 +69,7 @@ def test_cuts_stage_exactly_the_generated_prefix(capture_worker):
                 for i, r in enumerate(rollouts)
             ]
             receipts = []
+            await _decoding(worker, rollouts)
             for k in range(3):
                 await asyncio.sleep(0.15)
                 receipts.append(await worker.acut(_inventory(f"ckpt-{k}", rollouts)))
@@ -180,7 +194,7 @@ def test_uncuttable_calls_have_named_reasons(capture_worker):
                 k: _body(f"u-{k}", max_tokens=200, ignore_eos=True) | v for k, v in cases.items()
             }
             tasks = {k: asyncio.create_task(_post(client, url, b)) for k, b in bodies.items()}
-            await asyncio.sleep(0.3)
+            await _decoding(worker, [f"u-{k}" for k in cases])
             inv = _inventory("uncut", [f"u-{k}" for k in cases] + ["u-missing"])
             receipt = await worker.acut(inv)
             await asyncio.gather(*tasks.values())

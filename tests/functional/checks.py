@@ -108,9 +108,10 @@ class Job:
 
 PREEMPTION = REPO / "functional_tests" / "preemption_check.py"
 ASYNC = REPO / "functional_tests" / "async_recovery.py"
-# Asynchronous GRPO at prefix level with the token log on: six steps of two groups of 4 calls of
-# 128 tokens, killed twice (each kill after a snapshot of a later step holding 2 cut calls).
-ASYNC_ARGS = ["--steps", "6", "--kills", "2", "--max-age", "1"]
+# Asynchronous GRPO at prefix level with the token log on: four steps of two groups of 4 calls of
+# 128 tokens, killed once after a snapshot of step >= 1 holding 2 cut calls (the run killed
+# twice is docs/async_grpo.md's command; one kill here keeps a restore phase off the suite).
+ASYNC_ARGS = ["--steps", "4", "--kills", "1", "--max-age", "1"]
 
 
 def _tamper_async(outs: dict[str, Path]) -> None:

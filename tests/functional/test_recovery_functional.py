@@ -292,21 +292,21 @@ def test_a_stale_owner_thawed_after_a_restore_stops_and_writes_nothing(two_owner
     assert a1["wrote"]["touched"] == 0
 
 
-def test_asynchronous_grpo_killed_twice_keeps_every_invariant(async_run):
-    """Generation never stopped for training and weights changed under calls in flight; two
-    SIGKILLs and restores later every prompt was trained once or is still open, no group past
-    the age bound was trained, every cut call resumed from its staged prefix with its weight
+def test_asynchronous_grpo_killed_and_restored_keeps_every_invariant(async_run):
+    """Generation never stopped for training and weights changed under calls in flight; after
+    a SIGKILL and a restore every prompt was trained once or is still open, no group past the
+    age bound was trained, every cut call resumed from its staged prefix with its weight
     versions, every trained token's behaviour logprob is its version's, bit for bit."""
     report = _report(async_run)
     assert report["violations"] == [] and report["level"] == "prefix"
-    assert report["journal"] == "on" and report["kills"] == 2
+    assert report["journal"] == "on" and report["kills"] == 1
     cursor = report["cursor"]
-    assert cursor["trained"] == 2 * report["steps"] == 12
+    assert cursor["trained"] == 2 * report["steps"] == 8
     assert max(a for s in report["ages"].values() for a in s.values()) <= 1
-    assert report["prefix"]["resumed"] == report["prefix"]["continuations"] >= 4
+    assert report["prefix"]["resumed"] == report["prefix"]["continuations"] >= 2
     assert report["prefix"]["compared_in_training"] > 0
     versions = report["logprobs"]
-    assert len(versions) >= 3  # tokens of several weight versions were trained
+    assert len(versions) >= 2  # tokens of several weight versions were trained
     assert all(v["bit_identical"] == 1.0 for v in versions.values())
     for lost in report["lost_work"]:
         assert 0 <= lost["lost"] < lost["decoded_before_crash"]
