@@ -45,49 +45,25 @@ def _passed(jobs: dict, name: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def prefix_run(jobs) -> Path:
-    return _passed(jobs, "prefix")
+def _check_run(name: str):
+    """A fixture: the output folder of check `name`, which must have passed."""
+
+    @pytest.fixture(scope="module", name=f"{name}_run")
+    def run(jobs) -> Path:
+        return _passed(jobs, name)
+
+    return run
 
 
-@pytest.fixture(scope="module")
-def gateway_run(jobs) -> Path:
-    return _passed(jobs, "gateway")
-
-
-@pytest.fixture(scope="module")
-def turn_run(jobs) -> Path:
-    return _passed(jobs, "turn")
-
-
-@pytest.fixture(scope="module")
-def failover_run(jobs) -> Path:
-    return _passed(jobs, "failover")
-
-
-@pytest.fixture(scope="module")
-def two_node_run(jobs) -> Path:
-    return _passed(jobs, "two_node")
-
-
-@pytest.fixture(scope="module")
-def own_loop_run(jobs) -> Path:
-    return _passed(jobs, "own_loop")
-
-
-@pytest.fixture(scope="module")
-def two_owners_run(jobs) -> Path:
-    return _passed(jobs, "two_owners")
-
-
-@pytest.fixture(scope="module")
-def async_run(jobs) -> Path:
-    return _passed(jobs, "async")
-
-
-@pytest.fixture(scope="module")
-def preemption_run(jobs) -> Path:
-    return _passed(jobs, "preemption")
+prefix_run = _check_run("prefix")
+gateway_run = _check_run("gateway")
+turn_run = _check_run("turn")
+failover_run = _check_run("failover")
+two_node_run = _check_run("two_node")
+own_loop_run = _check_run("own_loop")
+two_owners_run = _check_run("two_owners")
+async_run = _check_run("async")
+preemption_run = _check_run("preemption")
 
 
 def _report(out: Path) -> dict:
