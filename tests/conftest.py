@@ -1,5 +1,5 @@
 """Shared fixtures: one local Ray and one pair of vLLM workers for the whole session, and the
-functional checks started with the session to run beside the in-process tests."""
+crash-point campaign started with the session to run beside the in-process tests."""
 
 from __future__ import annotations
 
@@ -48,15 +48,14 @@ def two_workers(ray_session, tiny_cfg):
 
 @pytest.fixture(scope="session", autouse=True)
 def functional_checks(request, tmp_path_factory):
-    """The functional checks the session's tests need (tests/functional/checks.py), started
-    before the first test: they run in subprocesses beside the in-process tests, which leave
-    much of the two cores idle, and the tests that need one wait for it. All of them when a
-    selected test needs `jobs`, only the crash chain when one needs `crash_chain`, none
-    otherwise (None). Ended with the session, also when it ends early."""
+    """The reduced crash-point campaign, started before the first test when a selected test
+    needs `crash_chain`: a subprocess job (tests/functional/checks.py) that runs beside the
+    cluster tests, which leave much of the two cores idle; None otherwise. Ended with the
+    session, also when it ends early."""
     from tests.functional.checks import JOBS, Checks
 
     names = {n for item in request.session.items for n in getattr(item, "fixturenames", ())}
-    jobs = JOBS if "jobs" in names else [j for j in JOBS if j.name in names]
+    jobs = [j for j in JOBS if j.name == "crash_chain" and j.name in names]
     checks = Checks(jobs, tmp_path_factory.mktemp("checks")).start() if jobs else None
     yield checks
     if checks is not None:

@@ -1,15 +1,13 @@
-"""The suite's functional checks as jobs, and the scheduler that runs them alongside the
-in-process tests (tests/conftest.py starts it when the session starts; the tests in
-test_recovery_functional.py, test_crash_campaign.py and the engine tests on `crash_chain` wait
-for the jobs they need).
+"""The suite's functional checks as jobs, and the scheduler that runs them.
 
 Each job is a subprocess: a check (functional_tests/), a deliberately broken run of one, or the
-reduced crash-point campaign. They share two cores with the in-process tests: at most
-`Checks.limit` at once, one fewer while the in-process tests run beside them (their engines
-take about half the machine), and each starts as soon as a slot is free and the runs it needs
-have finished. (Five at once on two cores made an S3 snapshot outlast a step's generation, so
-that the turn check's kill never came; four was fine.) A job whose run it needs failed is not
-started."""
+reduced crash-point campaign. The campaign starts with the session (tests/conftest.py) and runs
+beside the cluster tests; the others start when the session reaches
+test_recovery_functional.py, at most four at once on two cores, each as soon as a slot is free
+and the runs it needs have finished. (Five at once made an S3 snapshot outlast a step's
+generation, so that the turn check's kill never came; the checks started beside the engine
+tests as well overloaded the machine until Ray's nodes timed out starting.) A job whose run it
+needs failed is not started."""
 
 from __future__ import annotations
 
@@ -106,7 +104,6 @@ class Job:
     prepare: Callable[[dict[str, Path]], None] | None = None  # run just before it starts
 
 
-PREEMPTION = REPO / "functional_tests" / "preemption_check.py"
 ASYNC = REPO / "functional_tests" / "async_recovery.py"
 # Asynchronous GRPO at prefix level with the token log on: four steps of two groups of 4 calls of
 # 128 tokens, killed once after a snapshot of step >= 1 holding 2 cut calls (the run killed
@@ -190,11 +187,6 @@ JOBS = [
     *(_check_job(name) for name in ("turn", "prefix", "gateway", "own_loop", "two_owners",
                                     "failover", "two_node")),
     Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
-    # Two steps of two groups of 4 calls of 256 tokens, SIGTERM in step 1 (its defaults).
-    Job("preemption", lambda o: [str(PREEMPTION), "--out", str(o["preemption"])]),
-    Job("preemption_hold_disabled", lambda o: [
-        str(PREEMPTION), "--out", str(o["preemption_hold_disabled"]), "--fault",
-        "preemption_hold_disabled"], (), 900),
     Job("resume_disabled", lambda o: [
         str(CHECK), "--out", str(o["resume_disabled"]), "--from-kill", str(o["prefix"]),
         "--fault", "resume_disabled", *PREFIX, *SMALL], ("prefix",), 900),
@@ -219,9 +211,9 @@ class Checks:
     """`jobs` run in the background from `start()`; `wait(name)` for one, `wait_all()` for all
     (the caller then waits on nothing else, so the last slot is freed for them)."""
 
-    def __init__(self, jobs: list[Job], root: Path, limit: int = 4) -> None:
+    def __init__(self, jobs: list[Job], root: Path, limit: int = 4, beside: int = 1) -> None:
         self.jobs, self.limit = jobs, limit
-        self.beside = 1  # slots left to the in-process tests until wait_all()
+        self.beside = beside  # slots left to in-process tests running beside, until wait_all()
         self.outs = {job.name: root / job.name for job in jobs}
         for out in self.outs.values():
             out.mkdir(parents=True, exist_ok=True)

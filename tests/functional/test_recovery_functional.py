@@ -15,7 +15,7 @@ check (functional_tests/own_loop_recovery.sh) runs the prefix check on a trainin
 process, thaws the first and requires it to stop writing. The async check
 (functional_tests/async_recovery.sh) kills asynchronous GRPO twice and checks its invariants;
 a tampered copy of its records must fail them. The checks and the runs broken on purpose run
-as jobs (tests/functional/checks.py) started with the session, beside the in-process tests.
+as jobs (tests/functional/checks.py), at most four at once.
 The built-in single-turn task's prefix recovery is killed at every crash point by
 tests/functional/test_crash_campaign.py."""
 
@@ -26,16 +26,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.checks import BROKEN, Checks, Done
+from tests.functional.checks import BROKEN, JOBS, Checks, Done
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def jobs(functional_checks: Checks) -> dict[str, Done]:
-    """Every check and broken run (tests/functional/checks.py), started with the session:
-    waits for the ones still running."""
-    return functional_checks.wait_all()
+def suite_checks(tmp_path_factory) -> Checks:
+    """Every check and broken run but the crash-point campaign (tests/functional/checks.py),
+    started now, while the session waits for them."""
+    jobs = [job for job in JOBS if job.name != "crash_chain"]
+    return Checks(jobs, tmp_path_factory.mktemp("checks"), beside=0).start()
+
+
+@pytest.fixture(scope="module")
+def jobs(suite_checks: Checks) -> dict[str, Done]:
+    return suite_checks.wait_all()
 
 
 def _passed(jobs: dict, name: str) -> Path:
@@ -63,7 +69,6 @@ two_node_run = _check_run("two_node")
 own_loop_run = _check_run("own_loop")
 two_owners_run = _check_run("two_owners")
 async_run = _check_run("async")
-preemption_run = _check_run("preemption")
 
 
 def _report(out: Path) -> dict:
@@ -127,10 +132,10 @@ def test_the_check_fails_on_one_perturbed_generation_logprob(jobs):
     assert violations
 
 
-def test_no_check_left_a_process_behind(jobs, functional_checks: Checks):
+def test_no_check_left_a_process_behind(jobs, suite_checks: Checks):
     """Within a minute of each job's end none of its processes (Ray, engines, actors, harnesses:
     all carry its mark) is still alive."""
-    assert functional_checks.left == {}
+    assert suite_checks.left == {}
 
 
 def test_turn_recovery_with_checkpoints_on_s3_matches_the_reference(turn_run):
@@ -297,29 +302,3 @@ def test_the_async_check_fails_on_each_broken_invariant(jobs):
     assert {v.split(" ")[0] for v in violations} == {"[prompts]", "[age]", "[logprobs]"}
     assert any("trained twice" in v for v in violations)
     assert any(v.startswith("[logprobs] version 0") for v in violations)
-
-
-def test_a_preempted_run_saves_every_call_and_decodes_no_token_twice(preemption_run):
-    """SIGTERM to `train` mid-generation: it held and cut every call, published, exited 0 in one
-    line within the grace and left no process; the restore resumed every cut call from exactly
-    its cut, and by the engines' records no token decoded before the SIGTERM was decoded
-    again."""
-    report = _report(preemption_run)
-    assert report["violations"] == [] and report["fault"] is None
-    pre = report["preempted"]
-    assert pre["exit_code"] == 0 and pre["processes_left"] == []
-    [line] = pre["lines"]
-    assert line.startswith("preempted (SIGTERM): ") and "continue with `train --restore`" in line
-    assert report["calls_cut"] >= 2 and report["calls_held"] >= report["calls_cut"]
-    assert report["selected"] == [report["snapshot"].rsplit("/", 1)[-1]]
-    lost = report["lost_work"]
-    assert lost["prefix"] == 0 < lost["decoded_before_crash"]
-
-
-def test_the_preemption_check_fails_when_generation_is_not_held(jobs):
-    """The calls cut without holding generation first: the engines decoded past the cuts until
-    they stopped, and the restore decoded those tokens again."""
-    proc, out = jobs["preemption_hold_disabled"]
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    violations = _report(out)["violations"]
-    assert any(v.startswith("[decoded_twice]") for v in violations), violations
