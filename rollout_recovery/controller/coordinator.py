@@ -222,7 +222,8 @@ class CheckpointCoordinator:
             if reason == "trainer_checkpoint":  # its digest is the ledger's from now on
                 self.held_for_trainer = False
             metrics = await self._attempt(reason, timeout_s)
-            self.final = reason == "preemption"
+            if reason == "preemption":
+                self.final = True
             return metrics
 
     async def ack_held(self, ack: Callable[[], Awaitable[T]]) -> T:

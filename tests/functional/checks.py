@@ -208,12 +208,11 @@ Done = tuple[subprocess.CompletedProcess, Path]
 
 
 class Checks:
-    """`jobs` run in the background from `start()`; `wait(name)` for one, `wait_all()` for all
-    (the caller then waits on nothing else, so the last slot is freed for them)."""
+    """`jobs` run in the background from `start()`, at most `limit` at once; `wait(name)` for
+    one, `wait_all()` for all."""
 
-    def __init__(self, jobs: list[Job], root: Path, limit: int = 4, beside: int = 1) -> None:
+    def __init__(self, jobs: list[Job], root: Path, limit: int = 4) -> None:
         self.jobs, self.limit = jobs, limit
-        self.beside = beside  # slots left to in-process tests running beside, until wait_all()
         self.outs = {job.name: root / job.name for job in jobs}
         for out in self.outs.values():
             out.mkdir(parents=True, exist_ok=True)
@@ -238,7 +237,6 @@ class Checks:
         return self.done[name]
 
     def wait_all(self) -> dict[str, Done]:
-        self.beside = 0
         self._thread.join()
         missing = [job.name for job in self.jobs if job.name not in self.done]
         if missing:
@@ -267,7 +265,7 @@ class Checks:
     def _start_ready(self, pending: list[Job], running: dict) -> None:
         """Start the pending jobs whose runs they need have finished, while slots are free."""
         for job in list(pending):
-            if len(running) >= self.limit - self.beside:
+            if len(running) >= self.limit:
                 return
             if any(dep not in self.done for dep in job.after):
                 continue

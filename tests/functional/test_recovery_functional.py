@@ -36,7 +36,7 @@ def suite_checks(tmp_path_factory) -> Checks:
     """Every check and broken run but the crash-point campaign (tests/functional/checks.py),
     started now, while the session waits for them."""
     jobs = [job for job in JOBS if job.name != "crash_chain"]
-    return Checks(jobs, tmp_path_factory.mktemp("checks"), beside=0).start()
+    return Checks(jobs, tmp_path_factory.mktemp("checks")).start()
 
 
 @pytest.fixture(scope="module")
