@@ -266,7 +266,9 @@ def main() -> int:
     mark_this_check()  # the runs it starts carry it: signals reach only those (processes.py)
     args.out.mkdir(parents=True, exist_ok=True)
     args.token = os.urandom(12).hex()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # A private instance: another check's Ray on this machine must not be joined by accident
+    # ("Found multiple active Ray instances").
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     args.address = ray.get_runtime_context().gcs_address
     ref_dir = args.reference or args.out / "reference"
     if args.reference is None:

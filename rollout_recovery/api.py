@@ -41,7 +41,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout_recovery import faults, model_identity
+from rollout_recovery import components, faults, model_identity
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
 from rollout_recovery.controller.evidence import EvidenceLog
@@ -56,7 +56,13 @@ from rollout_recovery.data_plane import LeaseResult, ReplayRow, StagingStore
 from rollout_recovery.data_plane.errors import BadInputError
 from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.environment.client import EnvironmentClient
-from rollout_recovery.errors import RecoveryError, RestoreError, RunStalled, one_line
+from rollout_recovery.errors import (
+    ComponentLost,
+    RecoveryError,
+    RestoreError,
+    RunStalled,
+    one_line,
+)
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.placement import JobPlacement
 from rollout_recovery.protocol import EpisodeOutcome
@@ -215,6 +221,13 @@ class RolloutRecovery:
             return out | {"failed": "its checkpoint attempt failed (checkpoints.jsonl says why)"}
         self.record_call_attempts(step)
         return out | metrics
+
+    def lost_components(self, timeout_s: float = 1.0) -> list[ComponentLost]:
+        """The store shards and environment actors of this job that died (components.py); the
+        trainer asks, in the `control` group, while a step's call waits."""
+        actors = [("store shard", s) for s in self.store.shards] if self.store else []
+        actors += [("environment actor", a) for a in self.env.actors] if self.env else []
+        return components.dead(actors, timeout_s) if actors else []
 
     def record_call_attempts(self, step: int) -> int:
         """Append what the engines did per call attempt to the run's evidence log."""

@@ -594,7 +594,9 @@ class FailoverConfig(_Block):
 
     health_interval_s: Float = Field(1.0, gt=0.0)
     """Seconds between the controller's health checks of each worker. An actor that died or an
-    engine that stopped is noticed at the next check (and at once by a call that fails)."""
+    engine that stopped is noticed at the next check (and at once by a call that fails). Also
+    the trainer's interval for asking, while it waits on a step, whether a store shard or the
+    environment actor died."""
 
     unhealthy_after_s: Float = Field(10.0, gt=0.0)
     """A worker whose health check fails or does not answer for this long is declared dead:
@@ -607,6 +609,13 @@ class FailoverConfig(_Block):
     replacement_wait_s: Float = Field(600.0, gt=0.0)
     """How long a migrating call waits for a live worker when none is left (a one-worker run
     waits for the replacement); past it the episode fails with `no_live_worker`."""
+
+    max_restores: Int = Field(2, ge=0)
+    """Times `train` (`TrainingRun.keep_running`) continues the run in its own process after
+    an actor the job cannot do without died (the controller, a store shard, the environment
+    actor): the job is stopped and the run restored from its newest snapshot, as `train
+    --restore` would. One more such death ends the run with a line saying what died; 0 ends it
+    at the first."""
 
 
 class LivenessConfig(_Block):

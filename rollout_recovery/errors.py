@@ -16,6 +16,7 @@ import functools
 import os
 import sys
 import sysconfig
+import time
 import traceback
 from pathlib import Path
 
@@ -63,6 +64,22 @@ class RunStalled(RecoveryError):
 class WorkerDied(RecoveryError):
     """With `failover.enabled: false`, a model call's worker dropped it (the worker died or
     its connection broke): the call cannot move to another worker, so the step stops."""
+
+
+class ComponentLost(RecoveryError):
+    """An actor of the job died under the run (components.py names which): the controller, a
+    store shard or the environment actor. `TrainingRun.keep_running` continues the run from
+    its newest snapshot in the same process (`failover.max_restores` times); past that, or
+    outside it, the message says to continue with `train --restore`. `component` names the
+    actor kind, `reason` how it died (Ray's words, one line)."""
+
+    def __init__(self, component: str, reason: str, message: str | None = None) -> None:
+        super().__init__(message or f"the {component} died ({reason})")
+        self.component, self.reason = component, reason
+        self.at = time.time()  # when this process learned of it (time to recover, from here)
+
+    def __reduce__(self):  # crosses Ray as itself
+        return (type(self), (self.component, self.reason, str(self)))
 
 
 class Preempted(SystemExit):

@@ -17,6 +17,11 @@ started with `start_groups` generate while the loop trains, `finished_groups(n)`
 first n to finish, and weights are pushed into calls in flight (producer.py decides which
 groups to start and train on, and keeps the cursor a restore goes on from).
 
+`TrainingRun.keep_running(cfg, loop)` opens the run and calls `loop(run)`, and when an actor
+the job cannot do without dies under it (the controller, a store shard, the environment actor:
+`ComponentLost`, components.py) it restores the run in the same process and calls `loop`
+again, `failover.max_restores` times. `train` runs its loop this way.
+
 What the run does for the loop:
 
 - `open` claims the location first (controller/run_plan.py): a fresh run only as its first
@@ -41,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rollout_recovery.api import GroupResult, SingleController
 from rollout_recovery.config import RolloutRecoveryConfig
@@ -59,7 +65,13 @@ from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import LeaseResult
 from rollout_recovery.data_plane.ownership import Fence, Owner
-from rollout_recovery.errors import CheckpointWriteError, Preempted, RecoveryError, RunStalled
+from rollout_recovery.errors import (
+    CheckpointWriteError,
+    ComponentLost,
+    Preempted,
+    RecoveryError,
+    RunStalled,
+)
 from rollout_recovery.model_identity import resolve_model_path
 from rollout_recovery.preemption import NoticeWatch
 from rollout_recovery.protocol import group_id
@@ -69,6 +81,7 @@ from rollout_recovery.storage import RunStorage, StorageError
 __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "group_id"]
 
 WEIGHTS_DIR = "weights"
+T = TypeVar("T")
 CLOSE_S = 5.0  # of a preemption's grace, kept for stopping the job after its checkpoint
 
 
@@ -96,6 +109,7 @@ class TrainingRun:
         self.model_dir = resolve_model_path(cfg.policy.model_path)  # policy.model_path, local
         self._notices = NoticeWatch(cfg.preemption)  # SIGTERM / notice file (preemption.py)
         self._last_step = self.start_step - 1  # the last step begun
+        self.opened: dict[str, float] = {}  # how long `open`'s parts took (keep_running logs it)
 
     @classmethod
     def open(
@@ -104,6 +118,7 @@ class TrainingRun:
         """Claim `checkpointing.checkpoint_dir` and start the job; with `restore`, continue
         the run there from its newest usable snapshot (nothing to restore: from step 0).
         Refusals (RunExistsError, RestoreError) are one line and change nothing."""
+        t0 = time.monotonic()
         storage = RunStorage(cfg.checkpointing.checkpoint_dir)
         storage.check_writable()
         plan = None
@@ -121,15 +136,53 @@ class TrainingRun:
             for rel in mine.leftover_temporaries():  # writes the crash cut short
                 mine.delete_file(rel)
         run = cls(cfg, mine, owner, plan)
+        t1 = time.monotonic()
         try:
             run.rollouts = SingleController(cfg, ray_address, owner=owner)
             run._notices.start()  # after Ray's start, which installs a SIGTERM handler of its own
+            t2 = time.monotonic()
             if plan is not None:
                 run.restored = run.rollouts.restore(plan.choice.snapshot)
         except BaseException:
             run.close()
             raise
+        run.opened = {"plan_s": t1 - t0, "start_s": t2 - t1, "restore_s": time.monotonic() - t2,
+                      "opened_at": time.time()}  # fmt: skip
         return run
+
+    @classmethod
+    def keep_running(
+        cls, cfg: RolloutRecoveryConfig, loop: Callable[[TrainingRun], T], restore: bool = False,
+        ray_address: str = "local",
+    ) -> T:  # fmt: skip
+        """`loop(run)` in a run `open` started, kept running through the death of an actor the
+        job cannot do without (`ComponentLost`: the controller, a store shard, the environment
+        actor): what is left of the job is stopped and the run continues in this process from
+        its newest snapshot, as `train --restore` would, up to `failover.max_restores` times;
+        `loop` is called again with the restored run (it starts at `run.start_step`). Each
+        restore is said on the terminal and logged (`restored_in_process`). One death more
+        raises the ComponentLost, its line saying to continue with `train --restore`."""
+        restores, lost, stopped_at = 0, None, 0.0
+        while True:
+            try:
+                with cls.open(cfg, restore=restore, ray_address=ray_address) as run:
+                    if lost is not None:  # with the time to recover, by part
+                        step_log.append(run.storage, {
+                            "event": "restored_in_process", "component": lost.component,
+                            "reason": lost.reason, "restores": restores,
+                            "step": run.start_step, "noticed_at": lost.at,
+                            "stopped_s": stopped_at - lost.at, **run.opened})  # fmt: skip
+                    return loop(run)
+            except ComponentLost as err:
+                stopped_at = time.time()  # the rest of the job was stopped on the way out
+                allowed = cfg.failover.max_restores
+                if restores >= allowed:
+                    used = (f"{err}; failover.max_restores={allowed} restores in this process "
+                            "were used: continue the run with `train --restore`")  # fmt: skip
+                    raise ComponentLost(err.component, err.reason, used) from None
+                restores, lost, restore = restores + 1, err, True
+                print(f"{err}: restoring the run in this process from its newest snapshot "
+                      f"({restores} of failover.max_restores={allowed})", flush=True)  # fmt: skip
 
     def __enter__(self) -> TrainingRun:
         return self
@@ -142,20 +195,24 @@ class TrainingRun:
             if not isinstance(err, Preempted):  # the notice landed outside a guarded wait
                 raise Preempted(notice) from None
             return
-        self.close()
+        self.close(lost=isinstance(err, ComponentLost))
 
-    def close(self, preempted: bool = False) -> None:
+    def close(self, preempted: bool = False, lost: bool = False) -> None:
         """Stop the job (workers, store, environment); the location keeps everything. After a
-        preemption's final snapshot nothing the job holds is needed and the grace is short:
-        the controller is ended at once, and the workers and the store with it (it owns them),
-        while the call the notice interrupted may still hold it."""
+        preemption's final snapshot nothing the job holds is needed and the grace is short;
+        after an actor of the job died (`lost`) the controller may be gone or still waiting on
+        it: either way the controller is ended at once, and the workers and the store with it
+        (it owns them)."""
         self._notices.stop()
         if self.rollouts is not None:
             rollouts, self.rollouts = self.rollouts, None
-            if preempted:
+            if preempted or lost:
                 rollouts.kill()
             else:
-                rollouts.close()
+                try:
+                    rollouts.close()
+                except ComponentLost:  # the controller died under the loop's own error
+                    rollouts.kill()
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
@@ -255,7 +312,7 @@ class TrainingRun:
         step = self._current()
         try:
             with self._notices.interruptible():
-                results = self.rollouts.submit_groups(groups, seeds)
+                results = self._watched("submit_groups", groups, seeds)
         except RunStalled as err:
             step_log.append(self.storage, {"event": "stalled", "step": step,
                                            "reason": err.reason, "error": str(err)})  # fmt: skip
@@ -275,7 +332,7 @@ class TrainingRun:
         """The first `n` started groups to finish, oldest first (waiting for them)."""
         t0 = time.monotonic()
         with self._notices.interruptible():
-            results = self.rollouts.finished_groups(n, timeout_s)
+            results = self._watched("finished_groups", n, timeout_s)
         self._wait_s += time.monotonic() - t0
         return results
 
@@ -359,6 +416,30 @@ class TrainingRun:
         self._step = None
         self._notices.check()  # a notice during the step: its checkpoint is written, now stop
         return line
+
+    def _watched(self, name: str, *args: object) -> object:
+        """A call that waits on the step's episodes: a dead controller ends it at once, and
+        every `failover.health_interval_s` the controller is asked whether a store shard or
+        the environment actor died, which would leave the call waiting (components.py)."""
+
+        def probe() -> None:
+            try:
+                lost = self.rollouts.call_in("control", "lost_components", timeout=30.0)
+            except TimeoutError:  # the control group is busy (a preemption): ask again later
+                return
+            if lost:
+                raise lost[0]
+
+        every = self.cfg.failover.health_interval_s
+        try:
+            return self.rollouts.watched(name, args, probe, every)
+        except (ComponentLost, Preempted, KeyboardInterrupt):
+            raise
+        except Exception:
+            # An episode whose rows went to a dead store shard fails before the next probe:
+            # the death is the cause to report (and to restore from), not the episode's error.
+            probe()
+            raise
 
     def _current(self) -> int:
         if self._step is None:

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from rollout_recovery import faults
+from rollout_recovery import components, faults
 from rollout_recovery.errors import RecoveryError
 
 T = TypeVar("T")
@@ -105,24 +105,33 @@ async def remote_result(ref: Any) -> Any:
 class ActorProxy:
     """A class hosted as a Ray actor and called like the in-process object: each method call
     waits for its result. An expected failure (`RecoveryError`, `OSError`) is raised as
-    itself, so its one-line message reaches the user without Ray's trace."""
+    itself, so its one-line message reaches the user without Ray's trace; a dead actor of the
+    job (this one, or one it was waiting on) as a `ComponentLost` naming it (components.py)."""
 
     def __init__(self, cls: type, args: tuple, start: str | None = None, **options: Any) -> None:
         self.actor = actor_class(cls, **options).remote(*args)
         if start is not None:  # a start method may return the object: do not ship it back
-            ray.get(self.actor.__ray_call__.remote(lambda obj: getattr(obj, start)() and None))
+            self._result(self.actor.__ray_call__.remote(
+                lambda obj: getattr(obj, start)() and None))  # fmt: skip
+
+    @staticmethod
+    def _result(ref: Any, timeout: float | None = None) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as err:
+            cause = expected(err)
+            if cause is not err:
+                raise cause from None
+            dead = components.lost(err)
+            if dead is not None:
+                raise dead from None
+            raise
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self.actor, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return ray.get(method.remote(*args, **kwargs))
-            except ray.exceptions.RayTaskError as err:
-                cause = expected(err)
-                if cause is not err:
-                    raise cause from None
-                raise
+            return self._result(method.remote(*args, **kwargs))
 
         return call
 
@@ -130,17 +139,19 @@ class ActorProxy:
         """`name(*args)` in the actor's concurrency group `group`: it runs beside a call still
         holding the default group (one a signal interrupted in the caller)."""
         method = getattr(self.actor, name).options(concurrency_group=group)
-        try:
-            return ray.get(method.remote(*args), timeout=timeout)
-        except ray.exceptions.RayTaskError as err:
-            cause = expected(err)
-            if cause is not err:
-                raise cause from None
-            raise
+        return self._result(method.remote(*args), timeout)
+
+    def watched(self, name: str, args: tuple, probe: Callable[[], None], every_s: float) -> Any:
+        """`name(*args)`, calling `probe()` every `every_s` while it waits: a probe that finds
+        the call can no longer finish raises, and the call is left to the actor's end."""
+        ref = getattr(self.actor, name).remote(*args)
+        while not ray.wait([ref], timeout=every_s)[0]:
+            probe()
+        return self._result(ref)
 
     def close(self) -> None:
         try:
-            ray.get(self.actor.close.remote())
+            self._result(self.actor.close.remote())
         finally:
             ray.kill(self.actor)
 

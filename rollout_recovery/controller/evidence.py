@@ -29,7 +29,7 @@ class EvidenceLog:
         """Where this session's workers serve (URL, pids) and the controller's metrics, so an
         operator or a check can read them (the control token is not written)."""
         body = {"session": self.session, "workers": self.workers.describe(),
-                "metrics_url": metrics_url}  # fmt: skip
+                "metrics_url": metrics_url, "startup_s": self.workers.startup_s}  # fmt: skip
         try:
             self.storage.write_bytes(WORKERS_FILE, json.dumps(body, indent=1).encode())
         except OSError as err:

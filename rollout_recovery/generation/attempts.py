@@ -20,6 +20,7 @@ log is in use.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -45,6 +46,7 @@ class AttemptRecord(BaseModel):
     finished: bool = False
     finish_reason: str | None = None
     seq: int = 0  # the log's change counter at this record's last change
+    first_token_at: float | None = None  # wall time the engine sampled its first token
 
 
 class AttemptPage(BaseModel):
@@ -65,6 +67,7 @@ class _Entry:
     finished: bool = False
     finish_reason: str | None = None
     seq: int = 0
+    first_token_at: float | None = None
 
 
 class AttemptLog:
@@ -117,7 +120,10 @@ class AttemptLog:
         """The engine core returned `n` newly sampled tokens for this attempt."""
         if n:
             with self._lock:
-                self._entry(identity).decoded_tokens += n
+                entry = self._entry(identity)
+                entry.decoded_tokens += n
+                if entry.first_token_at is None:  # when a resumed call's tail began (bench)
+                    entry.first_token_at = time.time()
 
     def finished(self, identity: CallIdentity, reason: str | None) -> None:
         with self._lock:

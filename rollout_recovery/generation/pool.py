@@ -15,6 +15,7 @@ import itertools
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +139,7 @@ class WorkerPool:
         self.spec = spec
         self.lost: dict[int, str] = {}
         self.weights: tuple[str, int] | None = None  # the last pushed (directory, version)
+        self.startup_s: float | None = None  # how long `start` waited for the engines
         self._lock = threading.Lock()  # weights and swaps: the caller's thread and the loop's
 
     def __getstate__(self) -> dict[str, Any]:
@@ -174,6 +176,7 @@ class WorkerPool:
                           cfg.vllm_cfg.startup_timeout_s,
                           cfg.token_capture.control_auth_token,
                           [dict(o) for o in slot_options or []])  # fmt: skip
+        t0 = time.monotonic()
         actors = [_spawn(spec, i) for i in range(n)]
         try:
             infos = ray.get([a.start.remote() for a in actors], timeout=spec.startup_timeout_s)
@@ -182,7 +185,9 @@ class WorkerPool:
                 ray.kill(a)
             raise
         pairs = zip(actors, infos, strict=True)
-        return cls([WorkerHandle(a, i, spec.control_token) for a, i in pairs], spec)
+        pool = cls([WorkerHandle(a, i, spec.control_token) for a, i in pairs], spec)
+        pool.startup_s = time.monotonic() - t0
+        return pool
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Graceful shutdown of every worker, then kill the actors (even if shutdown failed)."""

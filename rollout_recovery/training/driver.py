@@ -128,11 +128,14 @@ def train(
 ) -> list[dict]:
     """Run (or, with restore, continue) GRPO. A fresh run refuses a location that already
     holds a run; restore continues the run from its newest usable snapshot and the trainer
-    checkpoint paired with it."""
+    checkpoint paired with it. The death of an actor the job needs is restored from in this
+    process (`TrainingRun.keep_running`, `failover.max_restores`); a step done again replaces
+    its record."""
     g = cfg.grpo
-    torch.manual_seed(g.seed)
-    history = []
-    with TrainingRun.open(cfg, restore=restore, ray_address=ray_address) as run:
+    history: dict[int, dict] = {}
+
+    def loop(run: TrainingRun) -> None:
+        torch.manual_seed(g.seed)
         model = load_policy(run.model_dir)
         opt = torch.optim.AdamW(model.parameters(), lr=g.learning_rate)
         if run.checkpoint is not None:
@@ -147,9 +150,11 @@ def train(
                 record = _train_step(cfg, run, model, opt, step)
             else:
                 record = _train_step_async(cfg, run, model, opt, step, producer)
-            history.append(record)
+            history[step] = record
             bar.write(_step_line(record))
-    return history
+
+    TrainingRun.keep_running(cfg, loop, restore=restore, ray_address=ray_address)
+    return [history[step] for step in sorted(history)]
 
 
 def _seed(g, step: int, group: int, gen: int) -> int:

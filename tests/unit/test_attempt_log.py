@@ -51,3 +51,18 @@ def test_bounded_and_counts_what_it_dropped():
     assert [r.rollout_id for r in log.read().attempts] == ["r3", "r5"]
     with pytest.raises(ValueError):
         AttemptLog(max_records=0)
+
+
+def test_first_token_at_is_when_the_first_token_was_sampled_and_stays(monkeypatch):
+    clock = iter([100.0, 200.0, 300.0])
+    monkeypatch.setattr("rollout_recovery.generation.attempts.time.time", lambda: next(clock))
+    log = AttemptLog()
+    a = CallIdentity("r", "c0", 1)
+    log.verdict(a, "resumed", prefix_tokens=5)
+    log.started(a)
+    log.decoded(a, 0)  # an output without new tokens is no first token
+    assert log.read().attempts[0].first_token_at is None
+    log.decoded(a, 2)
+    log.decoded(a, 3)
+    [rec] = log.read().attempts
+    assert rec.first_token_at == 100.0 and rec.decoded_tokens == 5

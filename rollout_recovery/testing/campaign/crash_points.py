@@ -391,7 +391,7 @@ def check_recovered(
 ) -> None:
     """Every check of the module docstring on a finished, restored run."""
     _check_restores(out, run_dir, states)
-    _check_training(out, ref_dir, run_dir)
+    check_training(out, ref_dir, run_dir)
     _check_engines(out, run_dir, states, starts_ns)
     _check_orphans(out, run_dir)
 
@@ -415,7 +415,9 @@ def _check_restores(out: CaseResult, run_dir: str, states: list[dict]) -> None:
             )
 
 
-def _check_training(out: CaseResult, ref_dir: str, run_dir: str) -> None:
+def check_training(out: CaseResult, ref_dir: str, run_dir: str) -> None:
+    """Every reference rollout trained once, in its step, with the reference's batches, losses
+    and final trainer checkpoint; violations and counts go to `out`."""
     ref, rec = step_records(ref_dir), step_records(run_dir)
     logged = Counter(r["step"] for r in rec)
     for step, n in sorted(logged.items()):
