@@ -227,7 +227,7 @@ class RolloutRecovery:
         trainer asks, in the `control` group, while a step's call waits."""
         actors = [("store shard", s) for s in self.store.shards] if self.store else []
         actors += [("environment actor", a) for a in self.env.actors] if self.env else []
-        return components.dead(actors, timeout_s) if actors else []
+        return components.dead(actors, timeout_s)
 
     def record_call_attempts(self, step: int) -> int:
         """Append what the engines did per call attempt to the run's evidence log."""

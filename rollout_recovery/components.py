@@ -68,6 +68,8 @@ def dead(actors: Sequence[tuple[str, Any]], timeout_s: float) -> list[ComponentL
     """The actors of `actors` ((component, handle) pairs) that are dead: each is asked Ray's
     built-in readiness call; one that does not answer within `timeout_s` is busy, not dead (a
     hang is the liveness watch's to find)."""
+    if not actors:
+        return []
     refs = {actor.__ray_ready__.remote(): name for name, actor in actors}
     ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     found = []

@@ -155,6 +155,16 @@ def session_pids(sid: int) -> list[int]:
     return out
 
 
+def actor_pid(sid: int, actor_class: str) -> int | None:
+    """The process in session `sid` of a Ray actor of class `actor_class` (Ray titles it
+    `ray::<class>...`), for a check that kills one actor of the job from outside."""
+    for pid in session_pids(sid):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
+            if fh.read().startswith(f"ray::{actor_class}".encode()):
+                return pid
+    return None
+
+
 def _signal_session(sig: int) -> None:
     """Send `sig` to every process of this session, this one last. New processes may be
     forking while it runs, so it sweeps until a pass finds no one else."""

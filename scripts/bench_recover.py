@@ -22,7 +22,8 @@ Per (component, calls in flight): a 2-step `train` run at prefix level with the 
 
 `total` is the SIGKILL to that first token; `beyond engines` is `total` less the engines' start,
 the restore's own overhead. Also reported: the calls the restore resumed and the chosen
-snapshot's bytes.
+snapshot's bytes
+as written (`checkpoints.jsonl`; an incremental snapshot writes only what changed).
 """
 
 from __future__ import annotations
@@ -62,18 +63,6 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _actor_pid(session: int, actor_class: str) -> int | None:
-    for pid in crashpoints.session_pids(session):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{actor_class}".encode()):
-                return pid
-    return None
-
-
-def _dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
     """One killed run; its parts of the time to recover (see the module docstring)."""
     run_dir = out / f"{component}-{calls}"
@@ -90,7 +79,7 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
         while proc.poll() is None and not any("event" not in x for x in _lines(steps)):
             time.sleep(0.1)
         time.sleep(1.0)
-        pid = _actor_pid(proc.pid, ACTORS[component])
+        pid = crashpoints.actor_pid(proc.pid, ACTORS[component])
         if pid is None or proc.poll() is not None:
             raise SystemExit(f"{component}-{calls}: no {ACTORS[component]} to kill; see {log.name}")
         killed_at = time.time()
@@ -121,7 +110,11 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
         "restored_s": event["restore_s"],
         "first_token_s": first - event["opened_at"] if first else None,
         "resumed_calls": len(resumed),
-        "snapshot_bytes": _dir_bytes(Path(restore["snapshot"])),
+        "snapshot_bytes": next(
+            x["snapshot_bytes"]
+            for x in _lines(run_dir / "checkpoints.jsonl")
+            if x["checkpoint"] == restore["snapshot"]
+        ),
     }
     end = first or event["opened_at"]
     row["total_s"] = end - killed_at

@@ -267,15 +267,6 @@ def test_an_error_in_the_users_effect_ends_the_run_naming_it_with_its_own_frames
         assert internal not in "\n".join(shown), shown
 
 
-def _actor_pid(session: int, actor_class: str) -> int | None:
-    """The process of the job's actor of `actor_class` (Ray titles it `ray::<class>...`)."""
-    for pid in crashpoints.session_pids(session):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"ray::{actor_class}".encode()):
-                return pid
-    return None
-
-
 def _log_lines(path: Path) -> list[dict]:
     """A JSON-lines log's records so far (a line being written is not yet whole: left out)."""
     if not path.exists():
@@ -310,7 +301,7 @@ def test_a_dead_store_shard_then_a_dead_controller_are_restored_in_process_exact
                 if any(x.get("step") == step and x.get("calls_cut") for x in snaps):
                     break
                 time.sleep(0.05)
-            pid = _actor_pid(proc.pid, actor)
+            pid = crashpoints.actor_pid(proc.pid, actor)
             assert pid is not None and proc.poll() is None, f"no {actor} to kill"
             os.kill(pid, signal.SIGKILL)
             killed.append(actor)
