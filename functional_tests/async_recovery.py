@@ -219,7 +219,13 @@ def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[l
 
     out, counts = (
         [],
-        {"continuations": 0, "resumed": 0, "compared_in_training": 0, "taken_from_token_log": 0},
+        {
+            "continuations": 0,
+            "resumed": 0,
+            "finished_in_snapshot": 0,
+            "compared_in_training": 0,
+            "taken_from_token_log": 0,
+        },
     )
     sessions = session_records(run_dir)
     token_log = rc.token_log_restores(run_dir)
@@ -230,9 +236,13 @@ def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[l
         by_call = defaultdict(list)
         for r in after:
             by_call[(r["rollout_id"], r["model_call_id"])].append(r)
+        _, done = evidence.committed(killed["ledger"], killed["finished_keys"])
         for ep in killed["ledger"].get("episodes", []):
             cont = ep.get("continuation") or {}
             if not cont.get("keys") or cont.get("tokens", 0) <= 0:
+                continue
+            if ep["rollout_id"] in done:  # the snapshot also holds it finished: not resumed
+                counts["finished_in_snapshot"] += 1
                 continue
             counts["continuations"] += 1
             name = f"{ep['rollout_id']}/{cont['call_id']}"
@@ -504,7 +514,8 @@ def print_report(r: dict, path: Path) -> None:
         rows.append((
             "calls resumed from a cut",
             f"{r['prefix']['resumed']} of {r['prefix']['continuations']}"
-            f" (compared in training: {r['prefix']['compared_in_training']})",
+            f" (compared in training: {r['prefix']['compared_in_training']}; finished in the"
+            f" snapshot, not resumed: {r['prefix']['finished_in_snapshot']})",
         ))  # fmt: skip
     else:
         rows.append((

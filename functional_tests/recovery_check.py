@@ -234,8 +234,9 @@ def run_state(run_dir: str, log: Path, records_before: int) -> str:
 
 
 def recoverable(args, snapshot_uri: str) -> tuple[int, dict]:
-    """Prefix level: cut calls with 0 < prefix < limit; turn level: unfinished episodes with
-    at least one committed turn."""
+    """Prefix level: cut calls with 0 < prefix < limit whose rollout the snapshot does not
+    also hold finished (a restore takes those from the replay table and resumes nothing);
+    turn level: unfinished episodes with at least one committed turn."""
     from rollout_recovery.data_plane import StagingStore
 
     ledger = json.loads(StagingStore.read_sidecar(snapshot_uri, "ledger.json"))
@@ -243,7 +244,12 @@ def recoverable(args, snapshot_uri: str) -> tuple[int, dict]:
         n = sum(1 for e in ledger.get("episodes", []) if 0 < len(e["turns"]) < args.max_turns)
     else:
         limit = args.max_tokens
-        n = sum(1 for c in ledger["continuations"].values() if 0 < c.get("tokens", 0) < limit)
+        _, done = evidence.committed(ledger, snapshot_keys(snapshot_uri, "replay"))
+        n = sum(
+            1
+            for rollout, c in ledger["continuations"].items()
+            if rollout not in done and 0 < c.get("tokens", 0) < limit
+        )
     return n, ledger
 
 
