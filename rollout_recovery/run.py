@@ -395,8 +395,8 @@ class TrainingRun:
             meta = trainer_checkpoints.save(self.storage, step, files, extra or {}, kept)
         except StorageError as err:
             raise CheckpointWriteError(
-                f"cannot write the trainer checkpoint of step {step}: {err}; free space or fix "
-                "permissions under checkpointing.checkpoint_dir, then continue with "
+                f"cannot write the trainer checkpoint of step {step}: {err.detail}; free space "
+                "or fix permissions under checkpointing.checkpoint_dir, then continue with "
                 "`train --restore` (nothing was deleted)"
             ) from None
         crash_point("after_trainer_checkpoint")

@@ -12,7 +12,11 @@ then the directory is fsynced (new directories, and deletes, are made durable th
 on object stores a single PUT is atomic. Logs are appended on a disk (fsynced per line);
 object stores have no append, so a log there is rewritten whole (logs are small). A crash
 mid-write can leave a temporary file (`*.tmp-*`): `leftover_temporaries` finds them and the
-restore deletes them. An I/O failure raises `StorageError` naming the location and the cause.
+restore deletes them. A write that fails the way a storage outage does (EIO, a timeout, a
+refused or reset connection, an object store's 503) is tried again for up to
+`TRANSIENT_RETRY_S`, backing off; a full disk, a read-only location or a denied permission fail
+at once. A log line is tried again only when none of it was written. A failure that stays
+raises `StorageError` naming the location, the cause and what to run once it is fixed.
 
 A storage opened with the run owner's `Fence` checks the run's ownership log before every
 write and delete (data_plane/ownership.py, docs/ownership.md): once a newer owner claimed the
@@ -23,7 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
+import logging
+import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.fs as pafs
@@ -41,11 +49,26 @@ from rollout_recovery.data_plane.ownership import Fence, OwnerFenced, OwnershipW
 from rollout_recovery.errors import RecoveryError
 
 TMP_MARK = ".tmp-"  # in the name of a file being written, before it is moved into place
+# How long a write that failed like an outage is tried again before the run gives up on it.
+TRANSIENT_RETRY_S = 10.0
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ETIMEDOUT,
+                              errno.ECONNRESET, errno.ECONNREFUSED, errno.ENETUNREACH,
+                              errno.EHOSTUNREACH})  # fmt: skip
+# What pyarrow's S3 filesystem says (without an errno) for a failure that may pass.
+TRANSIENT_MESSAGES = ("NETWORK_CONNECTION", "SlowDown", "Service Unavailable", "RequestTimeout",
+                      "timed out", "Timeout")  # fmt: skip
+AFTER_FAILURE = "fix the storage, then continue the run with `--restore` (nothing was deleted)"
+log = logging.getLogger(__name__)
 
 
 class StorageError(OSError, RecoveryError):
-    """A write or read under the checkpoint location failed; the message is one line. A
-    RecoveryError too, so a loop catches every expected failure of a run as one kind."""
+    """A write or read under the checkpoint location failed; the message is one line: what
+    failed and why (`detail`), then what to do (`fix`, where one is known). A RecoveryError
+    too, so a loop catches every expected failure of a run as one kind."""
+
+    def __init__(self, detail: str, fix: str = "") -> None:
+        super().__init__(f"{detail}; {fix}" if fix else detail)
+        self.detail, self.fix = detail, fix
 
 
 class RunStorage:
@@ -103,8 +126,10 @@ class RunStorage:
             if self.read_bytes(probe) != b"probe":
                 raise OSError("a probe file read back different bytes")
         except OSError as err:
+            cause = err.__cause__ if isinstance(err, StorageError) else err
+            reason = _reason(cause if isinstance(cause, OSError) else err)
             raise StorageError(
-                f"cannot write to checkpointing.checkpoint_dir {self.display()}: {_reason(err)}; "
+                f"cannot write to checkpointing.checkpoint_dir {self.display()}: {reason}; "
                 "make it writable or point checkpointing.checkpoint_dir elsewhere"
             ) from None
         finally:
@@ -138,51 +163,78 @@ class RunStorage:
         file a newer owner's restore removed, is told it no longer owns the run)."""
         doing = f"writing {self.display(rel)}"
         self.check_owner(doing)
+        what = f"cannot write {self.display(rel)}"
+        self._retried(lambda: self._write_once(rel, data, doing), what, doing)
+
+    def _write_once(self, rel: str, data: bytes, doing: str) -> None:
         target = self.path(rel)
         parent = target.rsplit("/", 1)[0]
+        make_dirs(self.fs, parent)
+        if self.object_store:
+            with self.fs.open_output_stream(target) as out:
+                out.write(data)
+            return
+        tmp = f"{target}{TMP_MARK}{uuid.uuid4().hex[:8]}"
         try:
-            make_dirs(self.fs, parent)
-            if self.object_store:
-                with self.fs.open_output_stream(target) as out:
-                    out.write(data)
-                return
-            tmp = f"{target}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-            try:
-                with self.fs.open_output_stream(tmp) as out:
-                    out.write(data)
-                sync_file(self.fs, tmp)
-                self.check_owner(doing)
-                self.fs.move(tmp, target)
-            except (OSError, OwnerFenced):  # the temporary file must not outlive the write
-                with contextlib.suppress(OSError):
-                    self.fs.delete_file(tmp)
-                raise
-            sync_dir(self.fs, parent)
-        except OSError as err:
-            self.check_owner(doing)  # a failure a newer owner caused says so
-            raise StorageError(f"cannot write {self.display(rel)}: {_reason(err)}") from err
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(data)
+            sync_file(self.fs, tmp)
+            self.check_owner(doing)
+            self.fs.move(tmp, target)
+        except (OSError, OwnerFenced):  # the temporary file must not outlive the write
+            with contextlib.suppress(OSError):
+                self.fs.delete_file(tmp)
+            raise
+        sync_dir(self.fs, parent)
 
     def append_line(self, rel: str, line: str) -> None:
         """Append one line to a log, durably."""
         data = (line.rstrip("\n") + "\n").encode()
-        self.check_owner(f"appending to {self.display(rel)}")
+        doing = f"appending to {self.display(rel)}"
+        self.check_owner(doing)
         if self.object_store:
             old = self.read_bytes(rel) if self.exists(rel) else b""
             self.write_bytes(rel, old + data)
             return
+        what = f"cannot append to {self.display(rel)}"
+        self._retried(lambda: self._append_once(rel, data), what, doing)
+
+    def _append_once(self, rel: str, data: bytes) -> None:
+        """Append; raises _Written where the line may be partly written (not to be tried
+        again)."""
         target = self.path(rel)
         parent = target.rsplit("/", 1)[0]
-        try:
-            make_dirs(self.fs, parent)
-            new = not self.exists(rel)
-            with self.fs.open_append_stream(target) as out:
+        make_dirs(self.fs, parent)
+        new = not self.exists(rel)
+        with self.fs.open_append_stream(target) as out:
+            try:
                 out.write(data)
+            except OSError as err:
+                raise _Written(err) from err
+        try:
             sync_file(self.fs, target)
             if new:
                 sync_dir(self.fs, parent)
         except OSError as err:
-            self.check_owner(f"appending to {self.display(rel)}")
-            raise StorageError(f"cannot append to {self.display(rel)}: {_reason(err)}") from err
+            raise _Written(err) from err
+
+    def _retried(self, once: Callable[[], None], what: str, doing: str) -> None:
+        """`once()`, tried again while it fails like an outage, for up to TRANSIENT_RETRY_S."""
+        deadline, delay = time.monotonic() + TRANSIENT_RETRY_S, 0.05
+        while True:
+            try:
+                once()
+                return
+            except OSError as raised:
+                self.check_owner(doing)  # a failure a newer owner caused says so
+                err = raised.err if isinstance(raised, _Written) else raised
+                again = not isinstance(raised, _Written) and transient(err)
+                if not again or time.monotonic() + delay > deadline:
+                    waited = f" (tried for {TRANSIENT_RETRY_S:g} s)" if again else ""
+                    raise StorageError(f"{what}: {_reason(err)}{waited}", AFTER_FAILURE) from err
+                log.warning("%s: %s; trying again in %.2f s", what, _reason(err), delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
 
     def read_lines(self, rel: str) -> list[str]:
         if not self.exists(rel):
@@ -213,6 +265,21 @@ class RunStorage:
         found = [i.path for i in self.fs.get_file_info(selector)
                  if i.type == pafs.FileType.File and TMP_MARK in i.base_name]  # fmt: skip
         return sorted(p[len(self.root.rstrip("/")) + 1 :] for p in found)
+
+
+class _Written(OSError):
+    """A failure after part of a log line may have landed: trying again could double it."""
+
+    def __init__(self, err: OSError) -> None:
+        super().__init__(err.errno, err.strerror or str(err))
+        self.err = err
+
+
+def transient(err: OSError) -> bool:
+    """Whether `err` is what a storage outage gives (worth trying again shortly)."""
+    if err.errno is not None:
+        return err.errno in TRANSIENT_ERRNOS
+    return any(m in str(err) for m in TRANSIENT_MESSAGES)
 
 
 def _reason(err: OSError) -> str:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,12 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_recovery import crashpoints
 from rollout_recovery.testing.campaign.crash_points import (
     JOB,
-    CaseResult,
-    check_training,
-    train_command,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -265,65 +260,3 @@ def test_an_error_in_the_users_effect_ends_the_run_naming_it_with_its_own_frames
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     for internal in ("runtime.py", "runner.py", "concurrent/futures", "RayTaskError"):
         assert internal not in "\n".join(shown), shown
-
-
-def _log_lines(path: Path) -> list[dict]:
-    """A JSON-lines log's records so far (a line being written is not yet whole: left out)."""
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
-
-
-def test_a_dead_store_shard_then_a_dead_controller_are_restored_in_process_exactly(
-    crash_chain, tmp_path
-):
-    """SIGKILL of the store shard's process at the first cadence snapshot that cut step 1's
-    calls, then of the controller's at the first such snapshot of step 2 after that restore:
-    `train` goes on in its own process both times (`failover.max_restores=2`), says so on the
-    terminal and in the step log, and ends with every rollout trained once and the batches,
-    losses and final trainer checkpoint of the uninterrupted reference run of the same job (the
-    crash campaign's)."""
-    work, _ = crash_chain
-    run_dir = tmp_path / "run"
-    cmd = [*train_command(str(run_dir), False), "failover.max_restores=2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    killed, seen = [], 0
-    try:
-        for actor, step in (("StoreShard", 1), ("RolloutRecovery", 2)):
-            deadline = time.monotonic() + 400
-            while proc.poll() is None and time.monotonic() < deadline:
-                snaps = _log_lines(run_dir / "checkpoints.jsonl")[seen:]
-                if any(x.get("step") == step and x.get("calls_cut") for x in snaps):
-                    break
-                time.sleep(0.05)
-            pid = crashpoints.actor_pid(proc.pid, actor)
-            assert pid is not None and proc.poll() is None, f"no {actor} to kill"
-            os.kill(pid, signal.SIGKILL)
-            killed.append(actor)
-            while proc.poll() is None and len(_events(run_dir)) < len(killed):
-                time.sleep(0.1)  # restored: later snapshots are the restored job's
-            seen = len(_log_lines(run_dir / "checkpoints.jsonl"))
-        out, _ = proc.communicate(timeout=400)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
-    for component, n in (("store shard", 1), ("controller", 2)):
-        assert f"the {component} died (" in out and f"({n} of failover.max_restores=2)" in out
-    events = _events(run_dir)
-    assert [(e["component"], e["restores"]) for e in events] == [("store shard", 1),
-                                                                  ("controller", 2)]  # fmt: skip
-    result = CaseResult("in_process", "actor_kill", killed, False)
-    check_training(result, str(work / "reference"), str(run_dir))
-    assert result.violations == [] and result.rollouts_lost == result.trained_twice == 0
-
-
-def _events(run_dir: Path) -> list[dict]:
-    return [
-        e for e in _log_lines(run_dir / "steps.jsonl") if e.get("event") == "restored_in_process"
-    ]

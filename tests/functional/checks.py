@@ -104,6 +104,12 @@ class Job:
     prepare: Callable[[dict[str, Path]], None] | None = None  # run just before it starts
 
 
+SOAK = REPO / "scripts" / "chaos_soak.py"
+# The chaos soak at prefix level, small: four faults (a store shard, the controller, a worker,
+# a preemption) in a seeded order over one run, against its own fault-free run of the same steps.
+SOAK_ARGS = ["--levels", "prefix", "--faults",
+             "store_shard_kill,controller_kill,worker_kill,preemption", "--count", "4",
+             "--seed", "7"]  # fmt: skip
 ASYNC = REPO / "functional_tests" / "async_recovery.py"
 # Asynchronous GRPO at prefix level with the token log on: four steps of two groups of 4 calls of
 # 128 tokens, killed once after a snapshot of step >= 1 holding 2 cut calls (the run killed
@@ -187,6 +193,8 @@ JOBS = [
     *(_check_job(name) for name in ("turn", "prefix", "gateway", "own_loop", "two_owners",
                                     "failover", "two_node")),
     Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
+    Job("soak", lambda o: [str(SOAK), "--out", str(o["soak"]), "--json",
+                           str(o["soak"] / "soak.json"), *SOAK_ARGS]),
     Job("resume_disabled", lambda o: [
         str(CHECK), "--out", str(o["resume_disabled"]), "--from-kill", str(o["prefix"]),
         "--fault", "resume_disabled", *PREFIX, *SMALL], ("prefix",), 900),

@@ -302,3 +302,34 @@ def test_the_async_check_fails_on_each_broken_invariant(jobs):
     assert {v.split(" ")[0] for v in violations} == {"[prompts]", "[age]", "[logprobs]"}
     assert any("trained twice" in v for v in violations)
     assert any(v.startswith("[logprobs] version 0") for v in violations)
+
+
+def test_a_run_under_a_stream_of_faults_trains_what_a_fault_free_run_trains(jobs):
+    """The chaos soak at prefix level (scripts/chaos_soak.py): a store shard, the controller, a
+    worker and a preemption, one after another in one run. The store shard's and the
+    controller's deaths are restored in `train`'s own process, the worker heals in place, the
+    preemption exits 0 and the soak restores it; every step's batch and loss and the final
+    trainer checkpoint equal the fault-free run's, every rollout trained once, every trained
+    token is in an engine record, and calls resumed from their prefixes."""
+    proc, out = jobs["soak"]
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    result = json.loads((out / "soak.json").read_text())
+    [level] = result["levels"]
+    assert level["violations"] == [] and result["passed"]
+    assert result["reference"]["goodput"] == 1.0 and result["reference"]["decoded_again"] == 0
+    assert level["faults"] == 4 and level["rollouts_lost"] == level["trained_twice"] == 0
+    assert level["healed"] == {
+        "store_shard_kill": {"restored_in_process": 1},
+        "controller_kill": {"restored_in_process": 1},
+        "worker_kill": {"in_place": 1},
+        "preemption": {"restarted": 1},
+    }
+    # Each restore took a snapshot with cut calls; every one was resumed from its prefix.
+    assert level["restores"] == 3 and level["resumed_calls"] > 0
+    # A preemption holds the engines before its final cut: nothing is decoded twice.
+    assert level["lost_by_kind"]["preemption"]["tokens_lost"] == 0
+    assert level["trained"] == result["reference"]["trained"]
+    assert 0 < level["goodput"] <= 1.0
+    assert (
+        level["decoded"] == level["trained"] + level["decoded_again"] + level["decoded_not_trained"]
+    )

@@ -60,7 +60,7 @@ def test_the_check_catches_a_write_whose_directory_was_not_synced(faulty, monkey
 def test_a_failed_move_keeps_the_old_file_and_leaves_no_temporary(faulty):
     run, handler, _ = faulty
     run.write_bytes("batches/step-000001.arrow", b"old")
-    handler.fail("move", "*step-000001.arrow*", error=errno.EIO)
+    handler.fail("move", "*step-000001.arrow*", error=errno.EACCES)  # not tried again
     with pytest.raises(StorageError, match="cannot write"):
         run.write_bytes("batches/step-000001.arrow", b"new")
     assert run.leftover_temporaries() == []  # removed by the write, not by the power loss
@@ -86,3 +86,36 @@ def test_a_new_run_directory_made_by_the_writability_check_survives_a_power_loss
     run.write_bytes("trainer/step-000001/meta.json", b"{}")
     handler.power_loss()
     assert (root / "trainer/step-000001/meta.json").read_bytes() == b"{}"
+
+
+def test_a_write_that_fails_like_an_outage_is_tried_again(faulty):
+    """EIO on the first try of the move: the file lands on the next try, durably, and no
+    temporary file is left (tests/unit/test_outage.py: a log line across an outage)."""
+    run, handler, _ = faulty
+    handler.fail("move", "*step-000001.arrow*", error=errno.EIO)
+    run.write_bytes("batches/step-000001.arrow", b"new")
+    handler.power_loss()
+    assert run.read_bytes("batches/step-000001.arrow") == b"new"
+    assert run.leftover_temporaries() == []
+
+
+def test_an_outage_that_lasts_fails_in_one_line_saying_what_to_run(faulty, monkeypatch):
+    run, handler, _ = faulty
+    monkeypatch.setattr(storage, "TRANSIENT_RETRY_S", 0.3)
+    for _ in range(30):  # each armed fault fires on the first move it has not yet seen
+        handler.fail("move", "*step-000002.arrow*", error=errno.EIO)
+    with pytest.raises(StorageError) as err:
+        run.write_bytes("batches/step-000002.arrow", b"x")
+    assert "(tried for 0.3 s)" in str(err.value) and "continue the run with `--restore`" in str(
+        err.value
+    )
+
+
+def test_a_log_line_that_may_be_partly_written_is_not_tried_again(faulty):
+    """A failed fsync after the append: trying again could write the line twice."""
+    run, handler, _ = faulty
+    run.append_line("steps.jsonl", "one")
+    handler.fail("fsync", "*steps.jsonl", error=errno.EIO)
+    with pytest.raises(StorageError, match="cannot append"):
+        run.append_line("steps.jsonl", "two")
+    assert run.read_lines("steps.jsonl") == ["one", "two"]

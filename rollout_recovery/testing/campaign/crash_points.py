@@ -137,9 +137,14 @@ def step_records(run_dir: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if "event" not in r]
 
 
-def restore_events(run_dir: str) -> list[dict]:
+def events(run_dir: str, name: str) -> list[dict]:
+    """steps.jsonl's events called `name` (restore, restored_in_process, preempted), in order."""
     lines = _storage(run_dir).read_lines("steps.jsonl")
-    return [r for r in map(json.loads, lines) if r.get("event") == "restore"]
+    return [r for r in map(json.loads, lines) if r.get("event") == name]
+
+
+def restore_events(run_dir: str) -> list[dict]:
+    return events(run_dir, "restore")
 
 
 def batch(run_dir: str, step: int):
@@ -393,7 +398,7 @@ def check_recovered(
     _check_restores(out, run_dir, states)
     check_training(out, ref_dir, run_dir)
     _check_engines(out, run_dir, states, starts_ns)
-    _check_orphans(out, run_dir)
+    check_orphans(out, run_dir)
 
 
 def _check_restores(out: CaseResult, run_dir: str, states: list[dict]) -> None:
@@ -513,7 +518,9 @@ def _length_of(masks: dict, keys: dict) -> Callable[[str, str], int | None]:
     return length_of
 
 
-def _check_orphans(out: CaseResult, run_dir: str) -> None:
+def check_orphans(out: CaseResult, run_dir: str) -> None:
+    """No temporary file, unpublished or unverifiable snapshot, or incomplete trainer
+    checkpoint left under the run."""
     from rollout_recovery.controller.selection import DATA_PLANE
     from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpointError, read_meta
     from rollout_recovery.data_plane.snapshot_io import (
