@@ -142,7 +142,29 @@ def _io_error(code: int, path: str) -> OSError:
     return OSError(code, os.strerror(code), path)
 
 
-class FaultFs(pafs.FileSystemHandler):
+class ReadThrough(pafs.FileSystemHandler):
+    """A handler over `self.inner` whose reads and lookups go straight through; a subclass
+    decides what its writes do."""
+
+    inner: pafs.FileSystem
+
+    def normalize_path(self, path: str) -> str:
+        return self.inner.normalize_path(path)
+
+    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
+        return self.inner.get_file_info(paths)
+
+    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
+        return self.inner.get_file_info(selector)
+
+    def open_input_stream(self, path: str) -> pa.NativeFile:
+        return self.inner.open_input_stream(path)
+
+    def open_input_file(self, path: str) -> pa.NativeFile:
+        return self.inner.open_input_file(path)
+
+
+class FaultFs(ReadThrough):
     """The handler: delegates to `inner`, records, injects faults, models durability."""
 
     def __init__(
@@ -360,15 +382,6 @@ class FaultFs(pafs.FileSystemHandler):
     def get_type_name(self) -> str:
         return "faultfs"
 
-    def normalize_path(self, path: str) -> str:
-        return self.inner.normalize_path(path)
-
-    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
-        return self.inner.get_file_info(paths)
-
-    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        return self.inner.get_file_info(selector)
-
     def create_dir(self, path: str, recursive: bool) -> None:
         path = path.rstrip("/")
         with self._state() as st:
@@ -445,12 +458,6 @@ class FaultFs(pafs.FileSystemHandler):
             if not self.object_store and self._track_file(st, dest) is None:
                 st.live[dest] = self._new_ino(st)
             self.inner.copy_file(src, dest)
-
-    def open_input_stream(self, path: str) -> pa.NativeFile:
-        return self.inner.open_input_stream(path)
-
-    def open_input_file(self, path: str) -> pa.NativeFile:
-        return self.inner.open_input_file(path)
 
     def open_output_stream(self, path: str, metadata: dict[str, str] | None) -> pa.NativeFile:
         return self._open_sink(path, metadata, append=False)

@@ -19,6 +19,7 @@ import pyarrow.fs as pafs
 
 from rollout_recovery import faults
 from rollout_recovery.data_plane import filesystem
+from rollout_recovery.testing.faultfs import ReadThrough
 
 UNTIL = "outage_until"  # the outage's end (time.time()), in the state directory
 _CHECK_EVERY_S = 0.05
@@ -38,7 +39,7 @@ def armed_env(state_dir: str | os.PathLike[str]) -> dict[str, str]:
     return {faults.FAULTFS_ENV: os.fspath(state_dir), faults.FAULTFS_HOOK_ENV: HOOK}
 
 
-class OutageFs(pafs.FileSystemHandler):
+class OutageFs(ReadThrough):
     """Delegates to `inner`, failing writes while the state directory's outage lasts."""
 
     object_store = False
@@ -66,15 +67,6 @@ class OutageFs(pafs.FileSystemHandler):
 
     def equals(self, other: Any) -> bool:
         return isinstance(other, OutageFs) and other.state_dir == self.state_dir
-
-    def normalize_path(self, path: str) -> str:
-        return self.inner.normalize_path(path)
-
-    def get_file_info(self, paths: list[str]) -> list[pafs.FileInfo]:
-        return self.inner.get_file_info(paths)
-
-    def get_file_info_selector(self, selector: pafs.FileSelector) -> list[pafs.FileInfo]:
-        return self.inner.get_file_info(selector)
 
     def create_dir(self, path: str, recursive: bool) -> None:
         self._write(path)
@@ -113,12 +105,6 @@ class OutageFs(pafs.FileSystemHandler):
             filesystem.sync_dir(self.inner, path)
         else:
             filesystem.sync_file(self.inner, path)
-
-    def open_input_stream(self, path: str) -> Any:
-        return self.inner.open_input_stream(path)
-
-    def open_input_file(self, path: str) -> Any:
-        return self.inner.open_input_file(path)
 
     def open_output_stream(self, path: str, metadata: dict[str, str] | None) -> Any:
         self._write(path)

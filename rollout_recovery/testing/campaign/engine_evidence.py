@@ -41,7 +41,8 @@ def spans(records: Iterable[dict]) -> dict[Call, list[tuple[int, int]]]:
     return out
 
 
-def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The intervals merged where they touch or overlap, in order."""
     merged: list[list[int]] = []
     for a, b in sorted(intervals):
         if merged and a <= merged[-1][1]:
@@ -54,8 +55,8 @@ def _union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     """Positions covered by both interval lists."""
     total = 0
-    for x0, x1 in _union(a):
-        for y0, y1 in _union(b):
+    for x0, x1 in union(a):
+        for y0, y1 in union(b):
             total += max(0, min(x1, y1) - max(x0, y0))
     return total
 

@@ -21,6 +21,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from rollout_recovery.testing.campaign.engine_evidence import union
+
 
 @dataclass(frozen=True)
 class Execution:
@@ -65,14 +67,8 @@ def executions(records: Iterable[dict]) -> list[Execution]:
 
 
 def _covered(intervals: list[tuple[int, int]], start: int, end: int) -> int:
-    """How many positions of [start, end) the intervals cover (merged first)."""
-    merged: list[list[int]] = []
-    for s, e in sorted(intervals):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return sum(max(0, min(e, end) - max(s, start)) for s, e in merged)
+    """How many positions of [start, end) the intervals cover."""
+    return sum(max(0, min(e, end) - max(s, start)) for s, e in union(intervals))
 
 
 def account(execs: list[Execution], faults: list[Fault], trained_tokens: int) -> dict:
