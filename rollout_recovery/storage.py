@@ -12,7 +12,7 @@ then the directory is fsynced (new directories, and deletes, are made durable th
 on object stores a single PUT is atomic. Logs are appended on a disk (fsynced per line);
 object stores have no append, so a log there is rewritten whole (logs are small). A crash
 mid-write can leave a temporary file (`*.tmp-*`): `leftover_temporaries` finds them and the
-restore deletes them. A write that fails the way a storage outage does (EIO, a timeout, a
+restore deletes them. A write or delete that fails the way a storage outage does (EIO, a timeout, a
 refused or reset connection, an object store's 503) is tried again for up to
 `TRANSIENT_RETRY_S`, backing off; a full disk, a read-only location or a denied permission fail
 at once. A log line is tried again only when none of it was written. A failure that stays
@@ -243,17 +243,23 @@ class RunStorage:
 
     def delete_file(self, rel: str) -> None:
         """Delete `rel` (if it exists), durably."""
-        self.check_owner(f"deleting {self.display(rel)}")
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.delete_file(self.path(rel))
-            self._sync_parent(rel)
+        self._delete(rel, self.fs.delete_file)
 
     def delete_dir(self, rel: str) -> None:
         """Delete the directory `rel` and everything under it (if it exists), durably."""
-        self.check_owner(f"deleting {self.display(rel)}")
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.delete_dir(self.path(rel))
-            self._sync_parent(rel)
+        self._delete(rel, self.fs.delete_dir)
+
+    def _delete(self, rel: str, how: Callable[[str], None]) -> None:
+        doing = f"deleting {self.display(rel)}"
+        self.check_owner(doing)
+
+        def once() -> None:  # a second try finds it gone, and makes that durable
+            with contextlib.suppress(FileNotFoundError):
+                how(self.path(rel))
+            with contextlib.suppress(FileNotFoundError):
+                self._sync_parent(rel)
+
+        self._retried(once, f"cannot delete {self.display(rel)}", doing)
 
     def _sync_parent(self, rel: str) -> None:
         if not self.object_store:

@@ -8,8 +8,8 @@ trains exactly what a fault-free run trains.
 One fault-free reference run of the job, then per level one run of the same steps under the
 same fault stream (same kinds, same delays; `--seed`). A fault lands a random 0.5-4 s after the
 run is ready again (its workers up after the previous fault); one after which the run goes on
-from a snapshot then also waits (up to 30 s) for a snapshot that cut calls in flight, so that
-it finds work to recover. The kinds:
+from a snapshot then also waits (up to 30 s) for calls in flight at the engine (at prefix
+level: and a snapshot that cut them), so that it finds work to recover. The kinds:
 
 - `job_kill`: SIGKILL every process of the run; the soak runs `train --restore`;
 - `preemption`: SIGTERM to the driver: a final checkpoint, exit 0; the soak runs
@@ -98,6 +98,9 @@ JOB = ("grpo.prompts_per_step=1", "grpo.generations_per_prompt=4",
        "rollout_checkpointing.max_consecutive_failures=30",
        "preemption.grace_s=20")  # fmt: skip
 HEAL_TIMEOUT_S = 240.0
+# An outage is over (at most 5 s) and the run's writes have stopped trying again (10 s,
+# storage.TRANSIENT_RETRY_S): a run still up then has healed in place.
+OUTAGE_SETTLED_S = 17.0
 READ_EVERY_S = 0.25  # the engines' records are read this often: a sudden death's unread gap
 FAULT_COST_S = 35.0  # a fault's average wall cost here (an engine start, mostly): sizes the stream
 
@@ -270,18 +273,22 @@ def cut_calls(uri: str) -> dict[str, dict]:
 
 
 def wait_cut(run: LevelRun, since: float, timeout: float = 30.0) -> None:
-    """Until the run publishes a snapshot taken after `since` with calls in flight (or
-    `timeout`): cut with a prefix at prefix level, episodes in flight below it."""
+    """Until an engine has a call in flight that has decoded tokens and, at prefix level, the
+    run has published a snapshot taken after `since` that cut calls (or `timeout`)."""
     from rollout_recovery.data_plane.snapshot_io import published_uris
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not run.finished():
-        with contextlib.suppress(OSError, ValueError, IndexError, KeyError):
-            uri = published_uris(str(run.run_dir / "data_plane"))[-1]
-            busy = cut_calls(uri) if run.level == "prefix" else ledger(uri)["episodes"]
-            if snapshot_time(uri) >= since and busy:
+        with contextlib.suppress(Exception):  # a worker or snapshot going away under the read
+            workers = run.workers()
+            busy = any(not r["finished"] and r["decoded_tokens"] > 0
+                       for r in read_engine_records(workers, run.token))  # fmt: skip
+            if busy and run.level == "prefix":
+                uri = published_uris(str(run.run_dir / "data_plane"))[-1]
+                busy = snapshot_time(uri) >= since and bool(cut_calls(uri))
+            if busy:
                 return
-        time.sleep(0.05)
+        time.sleep(0.1)
 
 
 def unresumed(run_dir: str, records: list[dict]) -> list[str]:
@@ -352,7 +359,7 @@ def heal(run: LevelRun, f: Injected, targets: list[dict], restored: int, steps: 
         if f.kind in ("worker_kill", "worker_hang") and now and not old <= {w["pid"] for w in now}:
             f.healed = "in_place"
             break
-        if f.kind == "storage_errors" and time.time() > f.at + 6.0:
+        if f.kind == "storage_errors" and time.time() > f.at + OUTAGE_SETTLED_S:
             f.healed = "in_place"
             break
         time.sleep(0.2)
@@ -360,32 +367,39 @@ def heal(run: LevelRun, f: Injected, targets: list[dict], restored: int, steps: 
     if f.kind == "worker_hang":  # killed for good by the run, or by the soak below
         LevelRun._signal([w["pid"] for w in targets], signal.SIGCONT)
     if not f.healed and run.finished():
-        code = run.proc.returncode
-        done = max((r["step"] for r in cp.step_records(str(run.run_dir))), default=0) >= steps
-        if code == 0 and done and f.kind != "preemption":
+        if run.proc.returncode == 0 and all_trained(run, steps) and f.kind != "preemption":
             f.healed = "run_finished"
         else:
-            if f.kind == "preemption":
-                if code != 0 or "preempted (SIGTERM)" not in run.tail():
-                    run.violations.append(f"[preemption] exit {code}: {run.last_line()}")
-            elif f.kind != "job_kill":
-                run.ended.append(f"after {f.kind}: exit {code}: {run.last_line()}")
-                if "--restore" not in run.last_line() and "restore" not in run.last_line():
-                    run.violations.append(
-                        f"[one_line] after {f.kind} the run ended without saying what to run"
-                        f" next: {run.last_line()}"
-                    )
-            leftover = run.session()
-            if leftover and f.kind != "job_kill":
-                run.violations.append(f"[survivors] {len(leftover)} processes outlived the run")
-            run.kill_all()
-            run.start(steps)
-            f.healed = "restarted"
-            wait_ready(run, time.time() - 1)
+            restart(run, f, steps)
     elif not f.healed:
         f.healed = "not_healed"
         run.violations.append(f"[heal] the run did not heal from {f.kind} in {HEAL_TIMEOUT_S} s")
     f.heal_s = time.time() - f.at
+
+
+def all_trained(run: LevelRun, steps: int) -> bool:
+    return max((r["step"] for r in cp.step_records(str(run.run_dir))), default=0) >= steps
+
+
+def restart(run: LevelRun, f: Injected, steps: int) -> None:
+    """The run ended after fault `f` (at once, or later, as a storage outage may): check how
+    it ended, then `train --restore` it, as a user would."""
+    code = run.proc.returncode
+    if f.kind == "preemption":
+        if code != 0 or "preempted (SIGTERM)" not in run.tail():
+            run.violations.append(f"[preemption] exit {code}: {run.last_line()}")
+    elif f.kind != "job_kill":
+        run.ended.append(f"after {f.kind}: exit {code}: {run.last_line()}")
+        if "--restore" not in run.last_line():
+            run.violations.append(f"[one_line] after {f.kind} the run ended without saying what "
+                                  f"to run next: {run.last_line()}")  # fmt: skip
+    leftover = run.session()
+    if leftover and f.kind != "job_kill":
+        run.violations.append(f"[survivors] {len(leftover)} processes outlived the run")
+    run.kill_all()
+    run.start(steps)
+    f.healed = "restarted" if f.healed in ("", "restarted") else f"{f.healed}, then restarted"
+    wait_ready(run, time.time() - 1)
 
 
 def soak_level(run: LevelRun, stream: list[tuple[str, float]], steps: int, seed: int) -> None:
@@ -409,6 +423,8 @@ def faults_then_end(run: LevelRun, stream: list[tuple[str, float]], steps: int, 
         time.sleep(delay)
         if kind in FROM_SNAPSHOT:
             wait_cut(run, time.time())
+        if run.finished() and not all_trained(run, steps) and run.faults:
+            restart(run, run.faults[-1], steps)  # the last fault ended it after it healed
         if run.finished():
             break
         if last_step_running(run, steps):
@@ -418,8 +434,12 @@ def faults_then_end(run: LevelRun, stream: list[tuple[str, float]], steps: int, 
         print(f"[soak {run.level}] {kind}: {f.healed} in {f.heal_s:.1f} s {f.note}", flush=True)
         if f.healed in ("not_healed", "run_finished"):
             break
-    while not run.finished():
-        time.sleep(0.5)
+    for _ in range(3):  # a run the last fault ends after it healed is restarted, as above
+        while not run.finished():
+            time.sleep(0.5)
+        if run.proc.returncode == 0 or all_trained(run, steps) or not run.faults:
+            break
+        restart(run, run.faults[-1], steps)
     if run.proc.returncode != 0:
         run.violations.append(f"[exit] the last run exited {run.proc.returncode}: "
                               f"{run.last_line()}")  # fmt: skip

@@ -39,8 +39,8 @@ def test_writes_fail_while_the_outage_lasts_and_reads_go_on(tmp_path, monkeypatc
 
 
 def test_a_runs_writes_wait_out_a_short_outage(tmp_path, monkeypatch) -> None:
-    """RunStorage tries a write and a log line again until the outage is over: each lands
-    once."""
+    """RunStorage tries a write, a log line and a delete again until the outage is over: each
+    lands once."""
     from rollout_recovery.storage import RunStorage
 
     state = tmp_path / "state"
@@ -56,3 +56,7 @@ def test_a_runs_writes_wait_out_a_short_outage(tmp_path, monkeypatch) -> None:
     assert time.monotonic() - started >= 0.3  # it waited for the outage to end
     assert run.read_lines("steps.jsonl") == ["one", "two"]
     assert run.read_bytes("batches/step-000001.arrow") == b"batch"
+    outage.begin(state, 0.5)  # a trainer checkpoint's old meta.json is deleted first
+    time.sleep(0.1)
+    run.delete_file("batches/step-000001.arrow")
+    assert not run.exists("batches/step-000001.arrow")
