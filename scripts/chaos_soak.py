@@ -34,8 +34,9 @@ Per level it checks the end state against the reference (crash_points.check_trai
 step's batch and loss, the final trainer checkpoint, every rollout trained once; no temporary
 or unverifiable file left; no process of the run left; every run that ended other than by the
 soak's own kill or a preemption ended with one line naming what to run next; every trained
-token is in an engine record; at prefix level every call cut in a snapshot that a restore took
-was resumed by an engine from that prefix (or the token log's longer one). Any violation fails
+token is in an engine record, but a last read gap's before a death (UNREAD_SHARE); at prefix
+level every call cut in a snapshot that a restore took was resumed by an engine from that
+prefix (or the token log's longer one). Any violation fails
 the soak (exit 1). `--fault resume_disabled` breaks resumption on purpose: the soak then fails.
 """
 
@@ -101,6 +102,10 @@ HEAL_TIMEOUT_S = 240.0
 # An outage is over (at most 5 s) and the run's writes have stopped trying again (10 s,
 # storage.TRANSIENT_RETRY_S): a run still up then has healed in place.
 OUTAGE_SETTLED_S = 17.0
+# Trained tokens that no reading shows decoded, as a share of all trained, beyond which the
+# soak's evidence is broken (a lost reading) rather than its last READ_EVERY_S gap before a
+# death (measured: 13 of 23,680 over a 17-fault run).
+UNREAD_SHARE = 0.005
 READ_EVERY_S = 0.25  # the engines' records are read this often: a sudden death's unread gap
 FAULT_COST_S = 35.0  # a fault's average wall cost here (an engine start, mostly): sizes the stream
 
@@ -484,9 +489,15 @@ def level_report(run: LevelRun, ref_dir: str, ref_wall_s: float) -> dict:
     (run.run_dir.parent / f"{run.level}.records.json").write_text(json.dumps(records))
     injected = [goodput.Fault(f.at, f.kind) for f in run.faults if f.healed != "not_injected"]
     counts, missing = tally(records, injected, str(run.run_dir))
-    if missing:
-        run.violations.append(f"[evidence] no engine record shows {sum(missing.values())} "
-                              f"trained tokens of {len(missing)} rollouts decoded")  # fmt: skip
+    unread = sum(missing.values())
+    if unread > UNREAD_SHARE * counts["trained"]:
+        run.violations.append(f"[evidence] no engine record shows {unread} trained tokens of "
+                              f"{len(missing)} rollouts decoded")  # fmt: skip
+    # What an engine decoded between the last read and its death, then cut and trained: decoded
+    # (once at least), yet in no record.
+    counts["unread"] = unread
+    counts["decoded"] += unread
+    counts["goodput"] = counts["trained"] / counts["decoded"] if counts["decoded"] else 1.0
     resumed = {(r["rollout_id"], r["model_call_id"], r["attempt"]) for r in records
                if r.get("resume") == "resumed"}  # fmt: skip
     missed = unresumed(str(run.run_dir), records) if run.level == "prefix" else []

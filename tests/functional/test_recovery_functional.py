@@ -309,8 +309,8 @@ def test_a_run_under_a_stream_of_faults_trains_what_a_fault_free_run_trains(jobs
     worker and a preemption, one after another in one run. The store shard's and the
     controller's deaths are restored in `train`'s own process, the worker heals in place, the
     preemption exits 0 and the soak restores it; every step's batch and loss and the final
-    trainer checkpoint equal the fault-free run's, every rollout trained once, every trained
-    token is in an engine record, and calls resumed from their prefixes."""
+    trainer checkpoint equal the fault-free run's, every rollout trained once, the trained
+    tokens are in the engines' records, and calls resumed from their prefixes."""
     proc, out = jobs["soak"]
     assert proc.returncode == 0, proc.stdout[-3000:]
     result = json.loads((out / "soak.json").read_text())
