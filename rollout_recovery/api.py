@@ -34,12 +34,15 @@ controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+
+import ray
 
 from rollout_recovery import components, faults, model_identity
 from rollout_recovery.config import RolloutRecoveryConfig
@@ -88,6 +91,7 @@ class RolloutRecovery:
     def __init__(
         self, cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
     ) -> None:
+        self.given_cfg = cfg  # as given: `restart` builds the job again from it
         self.cfg, self.ray_address = with_token_log_uri(cfg), ray_address
         self.owner = owner  # the claim on the snapshot root; claimed in `start` when None
         self.model_dir = model_identity.resolve_model_path(cfg.policy.model_path)
@@ -116,6 +120,35 @@ class RolloutRecovery:
 
     def close(self) -> None:
         close_job(self)
+
+    def halt(self) -> None:
+        """After the death of a store shard or the environment actor: end the other store
+        shards and environment actors too, so a call still waiting on them (the `default`
+        group's) fails now; `restart` follows once it did. Runs in the `control` group."""
+        for actor in [*(self.store.shards if self.store else []),
+                      *(self.env.actors if self.env else [])]:  # fmt: skip
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    def restart(self, owner: Owner) -> dict:
+        """Build the job again as `owner` (the restore's new claim) around the same engines: the
+        store, the environment actors, the coordinator and the supervision are new, the
+        workers are reset to a fresh start's state (WorkerPool.reset) instead of started again
+        (minutes of weight loading on a GPU node). What the engines did stays on record: the
+        evidence log goes on with the same cursors. Then `restore` as after `start`."""
+        kept, placement, evidence = self.workers, self.placement, self.evidence
+        close_job(self, keep_engines=True)
+        self.__init__(self.given_cfg, self.ray_address, owner)
+        self.placement = placement
+        t0 = time.monotonic()
+        try:
+            start_job(self, standalone_gateway=False, kept=kept)
+        except BaseException:
+            kept.stop()
+            raise
+        if evidence is not None and self.evidence is not None:
+            self.evidence.carry_on(evidence)
+        return {"reset_s": time.monotonic() - t0}
 
     def submit_groups(
         self, groups: list[tuple[str, dict]], seeds: Callable[[int, int], int]

@@ -617,6 +617,16 @@ class FailoverConfig(_Block):
     --restore` would. One more such death ends the run with a line saying what died; 0 ends it
     at the first."""
 
+    keep_engines: bool = True
+    """In such a restore after the death of a store shard or the environment actor (the
+    controller alive), keep the workers' engines: each aborts its calls and is reset to the
+    model's own weights instead of starting again. Off, or after the controller's death, every
+    engine starts again."""
+
+    settle_s: Float = Field(30.0, gt=0.0)
+    """How long the restore that keeps the engines waits for the controller's call still
+    waiting on the dead actor to end; past it the engines start again."""
+
 
 class LivenessConfig(_Block):
     """When a run that makes no progress stops, with a named reason, instead of waiting

@@ -82,6 +82,8 @@ __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "g
 
 WEIGHTS_DIR = "weights"
 T = TypeVar("T")
+# The deaths a restore that keeps the engines heals: the controller, their owner, is alive.
+KEEPS_ENGINES = ("store shard", "environment actor")
 CLOSE_S = 5.0  # of a preemption's grace, kept for stopping the job after its checkpoint
 
 
@@ -110,14 +112,18 @@ class TrainingRun:
         self._notices = NoticeWatch(cfg.preemption)  # SIGTERM / notice file (preemption.py)
         self._last_step = self.start_step - 1  # the last step begun
         self.opened: dict[str, float] = {}  # how long `open`'s parts took (keep_running logs it)
+        self.kept: ActorProxy | None = None  # the halted controller a restore builds again on
 
     @classmethod
     def open(
-        cls, cfg: RolloutRecoveryConfig, restore: bool = False, ray_address: str = "local"
-    ) -> TrainingRun:
+        cls, cfg: RolloutRecoveryConfig, restore: bool = False, ray_address: str = "local",
+        kept: ActorProxy | None = None,
+    ) -> TrainingRun:  # fmt: skip
         """Claim `checkpointing.checkpoint_dir` and start the job; with `restore`, continue
         the run there from its newest usable snapshot (nothing to restore: from step 0).
-        Refusals (RunExistsError, RestoreError) are one line and change nothing."""
+        Refusals (RunExistsError, RestoreError) are one line and change nothing. `kept`: the
+        controller of the job before, halted (`keep_running`), built again around its
+        engines instead of a new job."""
         t0 = time.monotonic()
         storage = RunStorage(cfg.checkpointing.checkpoint_dir)
         storage.check_writable()
@@ -138,7 +144,11 @@ class TrainingRun:
         run = cls(cfg, mine, owner, plan)
         t1 = time.monotonic()
         try:
-            run.rollouts = SingleController(cfg, ray_address, owner=owner)
+            if kept is None:
+                run.rollouts = SingleController(cfg, ray_address, owner=owner)
+            else:
+                run.rollouts = kept
+                kept.restart(owner)
             run._notices.start()  # after Ray's start, which installs a SIGTERM handler of its own
             t2 = time.monotonic()
             if plan is not None:
@@ -147,7 +157,7 @@ class TrainingRun:
             run.close()
             raise
         run.opened = {"plan_s": t1 - t0, "start_s": t2 - t1, "restore_s": time.monotonic() - t2,
-                      "opened_at": time.time()}  # fmt: skip
+                      "opened_at": time.time(), "engines_kept": kept is not None}  # fmt: skip
         return run
 
     @classmethod
@@ -162,10 +172,11 @@ class TrainingRun:
         `loop` is called again with the restored run (it starts at `run.start_step`). Each
         restore is said on the terminal and logged (`restored_in_process`). One death more
         raises the ComponentLost, its line saying to continue with `train --restore`."""
-        restores, lost, stopped_at = 0, None, 0.0
+        restores, lost, stopped_at, kept = 0, None, 0.0, None
         while True:
+            run = None
             try:
-                with cls.open(cfg, restore=restore, ray_address=ray_address) as run:
+                with cls.open(cfg, restore, ray_address, kept) as run:
                     if lost is not None:  # with the time to recover, by part
                         step_log.append(run.storage, {
                             "event": "restored_in_process", "component": lost.component,
@@ -175,14 +186,19 @@ class TrainingRun:
                     return loop(run)
             except ComponentLost as err:
                 stopped_at = time.time()  # the rest of the job was stopped on the way out
+                kept = run.kept if run is not None else None
                 allowed = cfg.failover.max_restores
                 if restores >= allowed:
                     used = (f"{err}; failover.max_restores={allowed} restores in this process "
                             "were used: continue the run with `train --restore`")  # fmt: skip
+                    if kept is not None:
+                        kept.kill()
                     raise ComponentLost(err.component, err.reason, used) from None
                 restores, lost, restore = restores + 1, err, True
-                print(f"{err}: restoring the run in this process from its newest snapshot "
-                      f"({restores} of failover.max_restores={allowed})", flush=True)  # fmt: skip
+                engines = "starting the engines again" if kept is None else "keeping the engines"
+                print(f"{err}: restoring the run in this process from its newest snapshot, "
+                      f"{engines} ({restores} of failover.max_restores={allowed})",
+                      flush=True)  # fmt: skip
 
     def __enter__(self) -> TrainingRun:
         return self
@@ -195,18 +211,20 @@ class TrainingRun:
             if not isinstance(err, Preempted):  # the notice landed outside a guarded wait
                 raise Preempted(notice) from None
             return
-        self.close(lost=isinstance(err, ComponentLost))
+        self.close(lost=err if isinstance(err, ComponentLost) else None)
 
-    def close(self, preempted: bool = False, lost: bool = False) -> None:
+    def close(self, preempted: bool = False, lost: ComponentLost | None = None) -> None:
         """Stop the job (workers, store, environment); the location keeps everything. After a
-        preemption's final snapshot nothing the job holds is needed and the grace is short;
-        after an actor of the job died (`lost`) the controller may be gone or still waiting on
-        it: either way the controller is ended at once, and the workers and the store with it
-        (it owns them)."""
+        preemption's final snapshot nothing the job holds is needed and the grace is short.
+        After an actor of the job died (`lost`) the controller may be gone or still waiting on
+        it: it is ended at once, and the workers and the store with it (it owns them); unless
+        the engines can serve the restore (`_halted`), when it is kept halted in `kept`."""
         self._notices.stop()
         if self.rollouts is not None:
             rollouts, self.rollouts = self.rollouts, None
-            if preempted or lost:
+            if lost is not None and self._halted(rollouts, lost):
+                self.kept = rollouts
+            elif preempted or lost:
                 rollouts.kill()
             else:
                 try:
@@ -216,6 +234,20 @@ class TrainingRun:
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
+
+    def _halted(self, rollouts: ActorProxy, lost: ComponentLost) -> bool:
+        """Whether the job's engines can serve its restore (`failover.keep_engines`): a store
+        shard or the environment actor died and the controller lives. The other store shards
+        and environment actors are ended, and the controller's call still waiting on them
+        must end within `failover.settle_s`."""
+        fo = self.cfg.failover
+        if not fo.keep_engines or lost.component not in KEEPS_ENGINES:
+            return False
+        try:
+            rollouts.call_in("control", "halt", timeout=fo.settle_s)
+            return rollouts.settled(fo.settle_s)
+        except Exception:  # the controller is gone or stuck: the engines start again
+            return False
 
     def _final_checkpoint(self) -> None:
         """A preemption: hold every call, cut it, publish a snapshot within the grace left

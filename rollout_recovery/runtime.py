@@ -110,6 +110,7 @@ class ActorProxy:
 
     def __init__(self, cls: type, args: tuple, start: str | None = None, **options: Any) -> None:
         self.actor = actor_class(cls, **options).remote(*args)
+        self.pending: Any = None  # a `watched` call its probe left waiting (`settled`)
         if start is not None:  # a start method may return the object: do not ship it back
             self._result(self.actor.__ray_call__.remote(
                 lambda obj: getattr(obj, start)() and None))  # fmt: skip
@@ -144,10 +145,21 @@ class ActorProxy:
     def watched(self, name: str, args: tuple, probe: Callable[[], None], every_s: float) -> Any:
         """`name(*args)`, calling `probe()` every `every_s` while it waits: a probe that finds
         the call can no longer finish raises, and the call is left to the actor's end."""
-        ref = getattr(self.actor, name).remote(*args)
+        ref = self.pending = getattr(self.actor, name).remote(*args)
         while not ray.wait([ref], timeout=every_s)[0]:
             probe()
+        self.pending = None
         return self._result(ref)
+
+    def settled(self, timeout_s: float) -> bool:
+        """Whether the call a probe left waiting (`watched`) ended within `timeout_s`, so the
+        actor's `default` group takes calls again."""
+        if self.pending is None:
+            return True
+        done = bool(ray.wait([self.pending], timeout=timeout_s)[0])
+        if done:
+            self.pending = None
+        return done
 
     def close(self) -> None:
         try:

@@ -24,10 +24,19 @@ class EvidenceLog:
         self.session = f"session-{time.time_ns()}"  # names this process's call-attempt log
         self._cursors: dict[str, int] = {}  # per worker actor: its call-attempt log read so far
         self._dropped: dict[str, int] = {}
+        self._metrics_url: str | None = None
+
+    def carry_on(self, before: EvidenceLog) -> None:
+        """Go on with `before`'s log, for a restore that kept the workers (api.py `restart`):
+        their records continue, so the same session's file and cursors (no record twice)."""
+        self.session = before.session
+        self._cursors, self._dropped = before._cursors, before._dropped
+        self.write_workers(self._metrics_url)
 
     def write_workers(self, metrics_url: str | None) -> None:
         """Where this session's workers serve (URL, pids) and the controller's metrics, so an
         operator or a check can read them (the control token is not written)."""
+        self._metrics_url = metrics_url
         body = {"session": self.session, "workers": self.workers.describe(),
                 "metrics_url": metrics_url, "startup_s": self.workers.startup_s}  # fmt: skip
         try:

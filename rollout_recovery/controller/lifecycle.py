@@ -32,9 +32,13 @@ def claim_snapshot_root(storage: RunStorage) -> Owner:
     return StagingStore.claim(storage.child_uri(DATA_PLANE))
 
 
-def start_job(rr: RolloutRecovery, standalone_gateway: bool) -> None:
+def start_job(
+    rr: RolloutRecovery, standalone_gateway: bool, kept: WorkerPool | None = None
+) -> None:
     """Start the store, workers and environment, the gateway (`gateway.enabled`, unless
-    `standalone_gateway`: `serve_rollouts` starts it), the metrics and the supervision."""
+    `standalone_gateway`: `serve_rollouts` starts it), the metrics and the supervision.
+    `kept`: the workers of the job before, reset to serve this one instead of new engines
+    (`rr.placement` is then that job's, where they run)."""
     cfg = rr.cfg
     actors = cfg.placement.environment.actors
     if standalone_gateway and actors > 1:  # refused before anything starts
@@ -52,10 +56,16 @@ def start_job(rr: RolloutRecovery, standalone_gateway: bool) -> None:
         cfg.token_capture.log_fence = fence
     init_ray(rr.ray_address, log_to_driver=False)
     place = cfg.placement
-    rr.placement = placed = place_job(cfg)
+    if kept is None:
+        rr.placement = place_job(cfg)
+    placed = rr.placement
     rr.store = StagingStore.create(num_shards=place.store.shards, num_cpus=place.store.num_cpus,
                                    shard_options=placed.store.options)  # fmt: skip
-    rr.workers = WorkerPool.start(cfg, store=rr.store, slot_options=placed.workers.options)
+    if kept is None:
+        rr.workers = WorkerPool.start(cfg, store=rr.store, slot_options=placed.workers.options)
+    else:
+        kept.reset(cfg, rr.store)
+        rr.workers = kept
     scratch = rr.storage.local_path("scratch")
     rr.env = EnvironmentClient.start(cfg.environment_config(), rr.workers, rr.store,
                                      str(scratch) if scratch else None,
@@ -79,9 +89,10 @@ def start_job(rr: RolloutRecovery, standalone_gateway: bool) -> None:
         rr._supervision = asyncio.run_coroutine_threadsafe(rr.supervisor.run(), rr._loop.loop)
 
 
-def close_job(rr: RolloutRecovery) -> None:
+def close_job(rr: RolloutRecovery, keep_engines: bool = False) -> None:
     """Stop whatever `start_job` started, also after it failed part way; the supervisor's and
-    the environment's errors are swallowed, so the rest still stops."""
+    the environment's errors are swallowed, so the rest still stops. `keep_engines`: the
+    workers and the placement they run in are left running, for `start_job(kept=...)`."""
     if rr._supervision is not None:
         rr._supervision.cancel()
         with contextlib.suppress(Exception):
@@ -96,9 +107,11 @@ def close_job(rr: RolloutRecovery) -> None:
         with contextlib.suppress(Exception):
             rr.env.close()
     rr._loop.stop()
-    rr.workers.stop()
+    if not keep_engines:
+        rr.workers.stop()
     if rr.store is not None:
         rr.store.shutdown()
-    if rr.placement is not None:  # after their actors are gone
+    if rr.placement is not None and not keep_engines:  # after their actors are gone
         rr.placement.remove()
-    rr.store, rr.env, rr.placement = None, None, None
+        rr.placement = None
+    rr.store, rr.env = None, None

@@ -192,6 +192,21 @@ class TokenCapture:
         if progressed and self.on_stepped is not None:
             self.on_stepped(progressed)
 
+    def clear(self) -> int:
+        """Forget every call (a restore that keeps the engine, once its requests were
+        aborted); an attempt still open is recorded `abort`. The attempt records stay: they
+        are the engine's evidence across the restore. Returns the calls forgotten."""
+        with self.lock:
+            n = len(self.calls)
+            for call in self.calls.values():
+                if not call.finished:
+                    self.attempts.finished(call.identity, "abort")
+            self.calls.clear()
+            self.by_request.clear()
+            self.completed.clear()
+            self.finished_spans.clear()
+        return n
+
     def swept(self, is_live: Callable[[str], bool]) -> None:
         """After an abort: calls whose request vLLM dropped are gone."""
         for rid in [r for r in self.by_request if not is_live(r)]:

@@ -398,6 +398,19 @@ class CutService:
                 break
         self.capture.forget(call)
 
+    async def rebind(self, store, segments) -> None:
+        """Serve a restored job (a restore that keeps this engine): background writes of the
+        job before are cancelled, not finished (their rows belong to the store that is gone,
+        and must never reach the restored one), and the fence starts over with the new
+        controller's epochs."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.store, self.segments = store, segments
+        self.fence = Fence(on_release=self.metrics.fence_seconds)
+        self._receipts.clear()
+
     async def drain(self) -> None:
         """Wait for background terminal writes (tests and shutdown)."""
         while self._background:

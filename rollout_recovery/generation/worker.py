@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from rollout_recovery.config import WorkerConfig
+from rollout_recovery.data_plane.ownership import Fence
 from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.generation import prefix_supply, vllm_compat
 from rollout_recovery.generation.capture import TokenCapture
@@ -124,6 +125,7 @@ class GenerationWorker:
         self._host: EngineHost | None = None
         self._engine: Any = None
         self._service: CutService | None = None
+        self._wiring: CaptureWiring | None = None
         self._token_log: TokenLog | None = None
         self._weight_version = 0
         self._info: WorkerInfo | None = None
@@ -137,10 +139,10 @@ class GenerationWorker:
         self._engine = engine = await host.create_engine()
         wiring = None
         if self._cfg.token_capture.enabled:
-            writer = self._actor_name or f"worker-{self._index}-{os.getpid()}"
             tokenizer = vllm_compat.output_tokenizer(engine)
-            wiring = wire_capture(self._cfg, self._store, tokenizer, writer)
+            wiring = wire_capture(self._cfg, self._store, tokenizer, self._writer())
             self._service, self._token_log = wiring.service, wiring.token_log
+            self._wiring = wiring
             wiring.token_log.start()
         app = await host.create_app([wiring.router] if wiring else [])
         ends = prefix_supply.turn_end_ids(host.tokenizer)
@@ -247,6 +249,45 @@ class GenerationWorker:
             seen = now
             await asyncio.sleep(0.05)
         return len(capture.calls)
+
+    async def reset(self, store, log_fence: dict[str, Any] | None) -> dict[str, int]:
+        """Return this engine to the state of a fresh start, for a restore of the job that
+        keeps it (api.py `restart`): every request is aborted, the capture forgets its calls
+        and serves the restored job's `store` and token log (fenced by `log_fence`, the new
+        controller's claim), the fence starts over, and the model's own weights are loaded
+        again as version 0 (the restore pushes its checkpoint's next). The call-attempt
+        records are kept: what this engine decoded stays on record across the restore."""
+        if self._engine is None or self._info is None:
+            raise RuntimeError("worker not started")
+        wiring = self._wiring
+        if wiring is not None:
+            with wiring.capture.lock:
+                requests = list(wiring.capture.by_request)
+            if requests:
+                await self._engine.abort(requests)
+        await self._engine.pause_generation(mode="abort", clear_cache=True)
+        await self._engine.resume_generation()
+        forgotten = 0
+        if wiring is not None:
+            forgotten = wiring.capture.clear()
+            wiring.resumer.pending.clear()
+            wiring.resumer.states.clear()
+            wiring.resumer.store = store
+            tc = self._cfg.token_capture
+            fence = Fence.model_validate(log_fence) if log_fence else None
+            segments = TokenLogSegments(tc.log_uri, self._writer(), fence) if tc.log_uri else None
+            await wiring.service.rebind(store, segments)
+        self._store = store
+        model = self._info.model
+        await push_weights(self._engine, model, model, 0, in_flight=False)
+        self._weight_version = 0
+        if wiring is not None:
+            wiring.capture.weight_version = 0
+        return {"calls_forgotten": forgotten, "requests_aborted": len(requests) if wiring else 0}
+
+    def _writer(self) -> str:
+        """The name of this worker's token log segments (docs/failover.md)."""
+        return self._actor_name or f"worker-{self._index}-{os.getpid()}"
 
     async def info(self) -> WorkerInfo:
         if self._info is None:
