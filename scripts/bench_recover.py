@@ -14,7 +14,9 @@ Per (component, calls in flight): a 2-step `train` run at prefix level with the 
 - `stopped`: the rest of the job stopped (`stopped_s`);
 - `planned`: the restore chosen and verified from files, the location claimed (`plan_s`);
 - `job started`: controller, store, workers and environment (`start_s`), of which the
-  workers' engines (`workers.json` `startup_s`);
+  workers' engines (`workers.json` `startup_s`; 0 where the restore kept them: after a store
+  shard's or the environment actor's death `start_s` is the job built again around the same
+  engines, each reset to the model's own weights);
 - `restored`: the store restored from the snapshot and the token log, the episodes taken back
   (`restore_s`);
 - `first resumed token`: from the end of the restore to the first token an engine sampled for
@@ -93,7 +95,8 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
         raise SystemExit(f"{component}-{calls}: train exited {proc.returncode}; see {log.name}")
     [event] = [x for x in _lines(steps) if x.get("event") == "restored_in_process"]
     restore = [x for x in _lines(steps) if x.get("event") == "restore"][-1]
-    engines = json.loads((run_dir / "workers.json").read_text())["startup_s"]
+    kept = bool(event.get("engines_kept"))  # a store shard's or the environment's death
+    engines = 0.0 if kept else json.loads((run_dir / "workers.json").read_text())["startup_s"]
     attempts = [r for f in sorted((run_dir / "call_attempts").glob("*.jsonl"))
                 for r in _lines(f)]  # fmt: skip
     resumed = [r for r in attempts if r["resume"] == "resumed" and r["first_token_at"]
@@ -102,6 +105,7 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
     row = {
         "component": component,
         "calls": calls,
+        "engines_kept": kept,
         "noticed_s": event["noticed_at"] - killed_at,
         "stopped_s": event["stopped_s"],
         "planned_s": event["plan_s"],
@@ -122,7 +126,7 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
     return row
 
 
-COLUMNS = [("component", "{}"), ("calls", "{}"), ("resumed_calls", "{}"),
+COLUMNS = [("component", "{}"), ("calls", "{}"), ("engines_kept", "{}"), ("resumed_calls", "{}"),
            ("snapshot_bytes", "{:,}"), ("noticed_s", "{:.2f}"), ("stopped_s", "{:.2f}"),
            ("planned_s", "{:.2f}"), ("job_started_s", "{:.1f}"), ("engines_s", "{:.1f}"),
            ("restored_s", "{:.2f}"), ("first_token_s", "{:.2f}"), ("total_s", "{:.1f}"),

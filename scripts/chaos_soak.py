@@ -18,8 +18,11 @@ level: and a snapshot that cut them), so that it finds work to recover. The kind
   move);
 - `worker_hang`: SIGSTOP a worker actor and its engine: healed in place once its health times
   out;
-- `store_shard_kill`, `environment_kill`, `controller_kill`: SIGKILL that actor's process:
-  `train` restores the run in its own process;
+- `store_shard_kill`, `environment_kill`: SIGKILL that actor's process: `train` restores the
+  run in its own process keeping the engines (`restored_keeping_engines`: the same worker and
+  engine processes must serve after it, `[engines]`);
+- `controller_kill`: SIGKILL the controller's process: `train` restores the run in its own
+  process, with new engines (they died with their owner);
 - `storage_errors`: every write under the run fails with EIO for 2-5 s
   (rollout_recovery/testing/outage.py): healed in place (a snapshot attempt fails) or, where the
   run ends in one line, by the soak's `train --restore`.
@@ -137,6 +140,7 @@ class LevelRun:
     runs: int = 0
     fault: str = ""
     engines_frozen: list[int] = field(default_factory=list)
+    workers_seen: list[dict] = field(default_factory=list)  # workers.json before the last fault
     polling: threading.Event = field(default_factory=threading.Event)
 
     # ------------------------------------------------------------------ the run's processes
@@ -314,7 +318,7 @@ def unresumed(run_dir: str, records: list[dict]) -> list[str]:
 
 def inject(run: LevelRun, kind: str, rng: random.Random, steps: int) -> Injected:
     """One fault; returns once the run healed (or ended)."""
-    workers = run.workers()
+    workers = run.workers_seen = run.workers()
     restored = run.events("restored_in_process")
     if kind == "storage_errors":
         f = Injected(kind, time.time())
@@ -351,6 +355,7 @@ def heal(run: LevelRun, f: Injected, targets: list[dict], restored: int, steps: 
     until their workers are gone (nothing they decode then would reach a record), then go on
     so that they can exit."""
     old = {w["pid"] for w in targets}
+    workers_before = run.workers_seen
     deadline = time.monotonic() + HEAL_TIMEOUT_S
     while time.monotonic() < deadline:
         if targets and not any(alive_own(w["pid"]) for w in targets):
@@ -359,6 +364,9 @@ def heal(run: LevelRun, f: Injected, targets: list[dict], restored: int, steps: 
             break
         if run.events("restored_in_process") > restored and wait_ready(run, f.at, 0.1):
             f.healed = "restored_in_process"
+            if cp.events(str(run.run_dir), "restored_in_process")[-1].get("engines_kept"):
+                f.healed = "restored_keeping_engines"
+                kept_engines(run, f, workers_before)
             break
         now = run.workers()
         if f.kind in ("worker_kill", "worker_hang") and now and not old <= {w["pid"] for w in now}:
@@ -380,6 +388,21 @@ def heal(run: LevelRun, f: Injected, targets: list[dict], restored: int, steps: 
         f.healed = "not_healed"
         run.violations.append(f"[heal] the run did not heal from {f.kind} in {HEAL_TIMEOUT_S} s")
     f.heal_s = time.time() - f.at
+
+
+def kept_engines(run: LevelRun, f: Injected, before: list[dict]) -> None:
+    """A restore that says it kept the engines must have: the same worker processes and
+    engine processes serve after it as before the fault."""
+
+    def pids(workers: list[dict]) -> set[int]:
+        return {p for w in workers for p in [w["pid"], *w["engine_pids"]]}
+
+    after = run.workers()
+    if not before or pids(after) != pids(before) or not all(map(alive_own, pids(after))):
+        run.violations.append(
+            f"[engines] the restore after {f.kind} says it kept the engines, but their "
+            f"processes changed: {sorted(pids(before))} -> {sorted(pids(after))}"
+        )
 
 
 def all_trained(run: LevelRun, steps: int) -> bool:

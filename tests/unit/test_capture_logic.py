@@ -9,6 +9,7 @@ and the real engine are covered by tests/engine.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from types import SimpleNamespace
 from typing import Any
@@ -379,3 +380,31 @@ async def test_a_bad_continuation_is_refused_with_its_reason(fault, reason):
     assert await _prepare(worker, extra) is None
     assert _verdict(worker, identity.rollout_id) == ("refused", reason)
     assert WorkerMetrics().snapshot()[f"resume.{reason}"] == before + 1
+
+
+# ------------------------------------------------------------------ a kept engine's reset
+
+
+async def test_a_rebind_drops_the_old_jobs_pending_writes_and_starts_the_fence_anew():
+    """A worker kept for a restored job (GenerationWorker.reset): a terminal row still owed to
+    the store that is gone must never reach the restored one, and an open call is recorded
+    aborted while its attempt record stays."""
+    worker = Worker()
+    worker.capture.on_finished = worker.service.on_finished
+    worker.service.fence.begin(5, 30.0)  # a checkpoint under way: terminal writes wait
+    done = worker.start(FakeReader([1, 2], [-0.1, -0.2]))
+    open_call = worker.start(FakeReader([3], [-0.3]))
+    ends = Step(f"{done.rollout_id}-internal", 2, True, "length", None)
+    worker.capture.stepped([ends, Step(f"{open_call.rollout_id}-internal", 1, False, None, None)])
+    assert len(worker.service._background) == 1  # the finished call's row, waiting
+    new = MemoryStore()
+    await worker.service.rebind(new, None)
+    assert worker.capture.clear() == 2
+    assert not worker.service._background and worker.service.store is new
+    assert (worker.service.fence.held, worker.service.fence.highest_epoch) == (False, 0)
+    await asyncio.sleep(0.05)
+    assert worker.store.rows == {} and new.rows == {}
+    records = {r.rollout_id: r for r in worker.capture.attempts.read(0).attempts}
+    assert records[open_call.rollout_id].finish_reason == "abort"
+    assert records[done.rollout_id].finish_reason == "length"
+    assert worker.capture.calls == {} and worker.capture.by_request == {}
