@@ -49,7 +49,14 @@ from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
 from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.gateway_serving import serve_gateway
-from rollout_recovery.controller.lifecycle import claim_snapshot_root, close_job, start_job
+from rollout_recovery.controller.lifecycle import (
+    Engines,
+    claim_snapshot_root,
+    close_job,
+    job_config,
+    start_engines,
+    start_job,
+)
 from rollout_recovery.controller.liveness import watch_step
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.restore import restore_run, with_token_log_uri
@@ -89,9 +96,12 @@ class GroupResult:
 
 class RolloutRecovery:
     def __init__(
-        self, cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
-    ) -> None:
+        self, cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None,
+        engines: Engines | None = None,
+    ) -> None:  # fmt: skip
         self.given_cfg = cfg  # as given: `restart` builds the job again from it
+        self.engines = engines  # started by the caller (SingleController), or by `start`
+        self.engines_reset = False  # `start` kept the engines of a job before (lifecycle.py)
         self.cfg, self.ray_address = with_token_log_uri(cfg), ray_address
         self.owner = owner  # the claim on the snapshot root; claimed in `start` when None
         self.model_dir = model_identity.resolve_model_path(cfg.policy.model_path)
@@ -115,11 +125,16 @@ class RolloutRecovery:
     def start(self, standalone_gateway: bool = False) -> RolloutRecovery:
         """Start the store, workers and environment (and, with `gateway.enabled`, the gateway
         the episode functions use; `standalone_gateway`: `serve_rollouts` starts it later)."""
-        start_job(self, standalone_gateway)
+        engines, self.engines = self.engines, None  # handed over: the job's from here on
+        start_job(self, standalone_gateway, engines)
         return self
 
     def close(self) -> None:
         close_job(self)
+
+    def engines_kept(self) -> bool:
+        """Whether this job runs on the engines of the job before, reset (`start_job`)."""
+        return self.engines_reset
 
     def halt(self) -> None:
         """After the death of a store shard or the environment actor: end the other store
@@ -136,13 +151,12 @@ class RolloutRecovery:
         workers are reset to a fresh start's state (WorkerPool.reset) instead of started again
         (minutes of weight loading on a GPU node). What the engines did stays on record: the
         evidence log goes on with the same cursors. Then `restore` as after `start`."""
-        kept, placement, evidence = self.workers, self.placement, self.evidence
+        kept, evidence = Engines(self.placement, self.workers), self.evidence
         close_job(self, keep_engines=True)
         self.__init__(self.given_cfg, self.ray_address, owner)
-        self.placement = placement
         t0 = time.monotonic()
         try:
-            start_job(self, standalone_gateway=False, kept=kept)
+            start_job(self, standalone_gateway=False, engines=kept)
         except BaseException:
             kept.stop()
             raise
@@ -313,16 +327,29 @@ class RolloutRecovery:
 
 
 def SingleController(
-    cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None
-) -> ActorProxy:
-    """The RolloutRecovery controller as a Ray actor (it owns the store and the workers, so
-    they share its fate), used through the same calls as the in-process object. `owner` is
-    the claim on the run's snapshot root (`train` claims before it restores); without one the
-    controller claims the root itself when it starts."""
+    cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None,
+    engines: Engines | None = None,
+) -> tuple[ActorProxy, Engines]:  # fmt: skip
+    """The RolloutRecovery controller as a Ray actor, used through the same calls as the
+    in-process object, and the engines it runs on. `owner` is the claim on the run's snapshot
+    root (`train` claims before it restores); without one it is claimed here. The placement,
+    the store and the workers are started here, in the caller's process, so that they outlive
+    the controller (Ray ends an actor with its owner); `engines`: those of a controller that
+    died, reset for this one instead (lifecycle.py)."""
     if owner is None:  # claimed here, in the caller: its error is one line
         owner = claim_snapshot_root(RunStorage(cfg.checkpointing.checkpoint_dir))
     init_ray(ray_address, log_to_driver=False)
+    if engines is None:
+        storage = RunStorage(cfg.checkpointing.checkpoint_dir)
+        job_cfg, _ = job_config(with_token_log_uri(cfg), storage, owner)
+        engines = start_engines(job_cfg)
     # One call at a time, and beside it the `control` group: a preemption's final checkpoint
     # and close run while the call its notice interrupted still holds the default group.
     options = {"num_cpus": 0, "max_concurrency": 1, "concurrency_groups": {"control": 1}}
-    return ActorProxy(RolloutRecovery, (cfg, ray_address, owner), start="start", **options)
+    try:
+        proxy = ActorProxy(RolloutRecovery, (cfg, ray_address, owner, engines), start="start",
+                           **options)  # fmt: skip
+    except BaseException:
+        engines.stop()
+        raise
+    return proxy, engines

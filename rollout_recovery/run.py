@@ -45,12 +45,14 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from rollout_recovery.api import GroupResult, SingleController
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller import batches, step_log, trainer_checkpoints
+from rollout_recovery.controller.lifecycle import Engines
 from rollout_recovery.controller.run_plan import (
     RestorePlan,
     announce,
@@ -82,8 +84,24 @@ __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "g
 
 WEIGHTS_DIR = "weights"
 T = TypeVar("T")
-# The deaths a restore that keeps the engines heals: the controller, their owner, is alive.
-KEEPS_ENGINES = ("store shard", "environment actor")
+# The deaths a restore heals keeping the engines (a worker's heals in place, failover.md).
+KEEPS_ENGINES = ("store shard", "environment actor", "controller")
+
+
+@dataclass
+class Kept:
+    """What a restore in this process keeps of the job before (`TrainingRun.keep_running`):
+    its engines, and its controller when that is alive (halted) to build the job again."""
+
+    controller: ActorProxy | None
+    engines: Engines
+
+    def stop(self) -> None:
+        if self.controller is not None:
+            self.controller.kill()
+        self.engines.stop()
+
+
 CLOSE_S = 5.0  # of a preemption's grace, kept for stopping the job after its checkpoint
 
 
@@ -112,18 +130,19 @@ class TrainingRun:
         self._notices = NoticeWatch(cfg.preemption)  # SIGTERM / notice file (preemption.py)
         self._last_step = self.start_step - 1  # the last step begun
         self.opened: dict[str, float] = {}  # how long `open`'s parts took (keep_running logs it)
-        self.kept: ActorProxy | None = None  # the halted controller a restore builds again on
+        self.kept: Kept | None = None  # what of the job a restore in this process keeps
+        self.engines: Engines | None = None  # started here for the controller (SingleController)
 
     @classmethod
     def open(
         cls, cfg: RolloutRecoveryConfig, restore: bool = False, ray_address: str = "local",
-        kept: ActorProxy | None = None,
+        kept: Kept | None = None,
     ) -> TrainingRun:  # fmt: skip
         """Claim `checkpointing.checkpoint_dir` and start the job; with `restore`, continue
         the run there from its newest usable snapshot (nothing to restore: from step 0).
         Refusals (RunExistsError, RestoreError) are one line and change nothing. `kept`: the
-        controller of the job before, halted (`keep_running`), built again around its
-        engines instead of a new job."""
+        engines of the job before, and its
+        controller where it lives (`keep_running`): the job is built again around them."""
         t0 = time.monotonic()
         storage = RunStorage(cfg.checkpointing.checkpoint_dir)
         storage.check_writable()
@@ -144,11 +163,12 @@ class TrainingRun:
         run = cls(cfg, mine, owner, plan)
         t1 = time.monotonic()
         try:
-            if kept is None:
-                run.rollouts = SingleController(cfg, ray_address, owner=owner)
-            else:
-                run.rollouts = kept
-                kept.restart(owner)
+            if kept is None or kept.controller is None:  # a new controller (on kept engines)
+                engines = kept.engines if kept is not None else None
+                run.rollouts, run.engines = SingleController(cfg, ray_address, owner, engines)
+            else:  # the halted controller, built again around its engines
+                run.rollouts, run.engines = kept.controller, kept.engines
+                kept.controller.restart(owner)
             run._notices.start()  # after Ray's start, which installs a SIGTERM handler of its own
             t2 = time.monotonic()
             if plan is not None:
@@ -157,7 +177,8 @@ class TrainingRun:
             run.close()
             raise
         run.opened = {"plan_s": t1 - t0, "start_s": t2 - t1, "restore_s": time.monotonic() - t2,
-                      "opened_at": time.time(), "engines_kept": kept is not None}  # fmt: skip
+                      "opened_at": time.time(),
+                      "engines_kept": kept is not None and run.rollouts.engines_kept()}  # fmt: skip
         return run
 
     @classmethod
@@ -192,7 +213,7 @@ class TrainingRun:
                     used = (f"{err}; failover.max_restores={allowed} restores in this process "
                             "were used: continue the run with `train --restore`")  # fmt: skip
                     if kept is not None:
-                        kept.kill()
+                        kept.stop()
                     raise ComponentLost(err.component, err.reason, used) from None
                 restores, lost, restore = restores + 1, err, True
                 engines = "starting the engines again" if kept is None else "keeping the engines"
@@ -217,37 +238,52 @@ class TrainingRun:
         """Stop the job (workers, store, environment); the location keeps everything. After a
         preemption's final snapshot nothing the job holds is needed and the grace is short.
         After an actor of the job died (`lost`) the controller may be gone or still waiting on
-        it: it is ended at once, and the workers and the store with it (it owns them); unless
-        the engines can serve the restore (`_halted`), when it is kept halted in `kept`."""
+        it: it is ended at once, unless the engines can serve the restore (`_keep`), when they
+        are kept in `kept`. The engines were started in this process (api.SingleController):
+        whatever the controller did not stop is ended here."""
         self._notices.stop()
         if self.rollouts is not None:
             rollouts, self.rollouts = self.rollouts, None
-            if lost is not None and self._halted(rollouts, lost):
-                self.kept = rollouts
+            self.kept = self._keep(rollouts, lost) if lost is not None else None
+            if self.kept is not None:
+                self.engines = None  # handed on
             elif preempted or lost:
                 rollouts.kill()
             else:
                 try:
                     rollouts.close()
+                    self.engines = None  # the controller stopped them
                 except ComponentLost:  # the controller died under the loop's own error
                     rollouts.kill()
+        if self.engines is not None:
+            engines, self.engines = self.engines, None
+            engines.stop()
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
 
-    def _halted(self, rollouts: ActorProxy, lost: ComponentLost) -> bool:
-        """Whether the job's engines can serve its restore (`failover.keep_engines`): a store
-        shard or the environment actor died and the controller lives. The other store shards
-        and environment actors are ended, and the controller's call still waiting on them
-        must end within `failover.settle_s`."""
-        fo = self.cfg.failover
-        if not fo.keep_engines or lost.component not in KEEPS_ENGINES:
-            return False
+    def _keep(self, rollouts: ActorProxy, lost: ComponentLost) -> Kept | None:
+        """What of the job serves its restore (`failover.keep_engines`), or None: the engines
+        start again. After the controller's death its engines, which this process started,
+        are alive: a new controller resets them. After a store shard's or the environment
+        actor's death the controller is alive too: the other store shards and environment
+        actors are ended (`halt`), its call still waiting on them must end within
+        `failover.settle_s`, and it builds the job again itself (`restart`)."""
+        fo, engines = self.cfg.failover, self.engines
+        if not fo.keep_engines or lost.component not in KEEPS_ENGINES or engines is None:
+            return None
+        if lost.component == "controller":
+            rollouts.kill()
+            engines.drop_store()  # its shards hold their placement; the restore starts anew
+            return Kept(None, engines)
         try:
             rollouts.call_in("control", "halt", timeout=fo.settle_s)
-            return rollouts.settled(fo.settle_s)
+            if not rollouts.settled(fo.settle_s):
+                return None
         except Exception:  # the controller is gone or stuck: the engines start again
-            return False
+            return None
+        engines.drop_store()
+        return Kept(rollouts, engines)
 
     def _final_checkpoint(self) -> None:
         """A preemption: hold every call, cut it, publish a snapshot within the grace left

@@ -18,11 +18,11 @@ level: and a snapshot that cut them), so that it finds work to recover. The kind
   move);
 - `worker_hang`: SIGSTOP a worker actor and its engine: healed in place once its health times
   out;
-- `store_shard_kill`, `environment_kill`: SIGKILL that actor's process: `train` restores the
-  run in its own process keeping the engines (`restored_keeping_engines`: the same worker and
-  engine processes must serve after it, `[engines]`);
-- `controller_kill`: SIGKILL the controller's process: `train` restores the run in its own
-  process, with new engines (they died with their owner);
+- `store_shard_kill`, `environment_kill`, `controller_kill`: SIGKILL that actor's process:
+  `train` restores the run in its own process keeping the engines (`restored_keeping_engines`:
+  the same worker and engine processes must serve after it, `[engines]`), or with new ones
+  where it cannot (`restored_in_process`: after the controller's death, once a worker was
+  replaced: the replacement was the controller's and died with it);
 - `storage_errors`: every write under the run fails with EIO for 2-5 s
   (rollout_recovery/testing/outage.py): healed in place (a snapshot attempt fails) or, where the
   run ends in one line, by the soak's `train --restore`.

@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import ray
+
+from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.coordinator import CheckpointCoordinator
 from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.selection import DATA_PLANE
@@ -16,14 +21,16 @@ from rollout_recovery.controller.supervisor import WorkerSupervisor
 from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.ownership import Fence, Owner
 from rollout_recovery.environment.client import EnvironmentClient
-from rollout_recovery.errors import RecoveryError
+from rollout_recovery.errors import RecoveryError, one_line
 from rollout_recovery.generation.pool import WorkerPool
-from rollout_recovery.placement import place_job
+from rollout_recovery.placement import JobPlacement, place_job
 from rollout_recovery.runtime import init_ray
 from rollout_recovery.storage import RunStorage
 
 if TYPE_CHECKING:  # the facade calls in; this module never imports it at load time
     from rollout_recovery.api import RolloutRecovery
+
+log = logging.getLogger("rollout_recovery")
 
 
 def claim_snapshot_root(storage: RunStorage) -> Owner:
@@ -32,13 +39,73 @@ def claim_snapshot_root(storage: RunStorage) -> Owner:
     return StagingStore.claim(storage.child_uri(DATA_PLANE))
 
 
+@dataclass
+class Engines:
+    """The workers of a job, where its actors run, and the store the workers first write to.
+    When the controller is a Ray actor, the trainer's process starts them (`start_engines`)
+    and hands them in: Ray ends an actor with its owner, and these then outlive the
+    controller, so a restore after its death keeps them (run.py)."""
+
+    placement: JobPlacement
+    workers: WorkerPool
+    store: StagingStore | None = None  # None: the job starts its own, the workers are reset
+
+    def stop(self) -> None:
+        """End the workers and the store at once (what they hold is in the run's location or
+        not needed: a graceful stop is the controller's `close`), then give the placement
+        back, once its actors are gone."""
+        for worker in self.workers:
+            with contextlib.suppress(Exception):
+                ray.kill(worker.actor)
+        self.drop_store()
+        self.placement.remove()
+
+    def drop_store(self) -> None:
+        """End the store the workers wrote to (a restore starts a new one in its place)."""
+        if self.store is not None:
+            with contextlib.suppress(Exception):
+                self.store.shutdown()
+            self.store = None
+
+
+def job_config(
+    cfg: RolloutRecoveryConfig, storage: RunStorage, owner: Owner
+) -> tuple[RolloutRecoveryConfig, RunStorage]:
+    """The config and the storage of `owner`'s job: every write under the run's location checks
+    the claim first (storage.py), the workers' token log writes too."""
+    fence = Fence.of(storage.child_uri(DATA_PLANE), owner)
+    if cfg.token_capture.log_uri:
+        cfg = cfg.model_copy(deep=True)
+        cfg.token_capture.log_fence = fence
+    return cfg, storage.fenced(fence)
+
+
+def start_engines(cfg: RolloutRecoveryConfig) -> Engines:
+    """Reserve the job's placement and start its store and workers (`cfg` from `job_config`);
+    a failure gives back whatever did start."""
+    placed = place_job(cfg)
+    store = None
+    try:
+        place = cfg.placement
+        store = StagingStore.create(num_shards=place.store.shards, num_cpus=place.store.num_cpus,
+                                    shard_options=placed.store.options)  # fmt: skip
+        workers = WorkerPool.start(cfg, store=store, slot_options=placed.workers.options)
+    except BaseException:
+        if store is not None:
+            store.shutdown()
+        placed.remove()
+        raise
+    return Engines(placed, workers, store)
+
+
 def start_job(
-    rr: RolloutRecovery, standalone_gateway: bool, kept: WorkerPool | None = None
+    rr: RolloutRecovery, standalone_gateway: bool, engines: Engines | None = None
 ) -> None:
     """Start the store, workers and environment, the gateway (`gateway.enabled`, unless
     `standalone_gateway`: `serve_rollouts` starts it), the metrics and the supervision.
-    `kept`: the workers of the job before, reset to serve this one instead of new engines
-    (`rr.placement` is then that job's, where they run)."""
+    `engines`: the store and workers started already (`start_engines`); without a store they
+    are the workers of a job before, reset to serve this one (WorkerPool.reset) instead of new
+    engines; where a reset fails they are stopped and new ones start."""
     cfg = rr.cfg
     actors = cfg.placement.environment.actors
     if standalone_gateway and actors > 1:  # refused before anything starts
@@ -48,24 +115,28 @@ def start_job(
         )
     if rr.owner is None:
         rr.owner = claim_snapshot_root(rr.storage)
-    # From here on every write under the run's location checks the claim first (storage.py).
-    fence = Fence.of(rr.storage.child_uri(DATA_PLANE), rr.owner)
-    rr.storage = rr.storage.fenced(fence)
-    if cfg.token_capture.log_uri:
-        cfg = rr.cfg = cfg.model_copy(deep=True)
-        cfg.token_capture.log_fence = fence
+    rr.cfg, rr.storage = job_config(rr.cfg, rr.storage, rr.owner)
+    cfg = rr.cfg
     init_ray(rr.ray_address, log_to_driver=False)
     place = cfg.placement
-    if kept is None:
-        rr.placement = place_job(cfg)
+    if engines is not None and engines.store is None:
+        rr.placement = engines.placement
+        rr.store = StagingStore.create(num_shards=place.store.shards,
+                                       num_cpus=place.store.num_cpus,
+                                       shard_options=engines.placement.store.options)  # fmt: skip
+        try:
+            engines.workers.reset(cfg, rr.store)
+            engines.store, rr.engines_reset = rr.store, True
+        except Exception as err:
+            log.warning("the engines could not be kept (%s): starting new ones", one_line(err))
+            rr.store.shutdown()
+            rr.store = None
+            engines.stop()
+            engines = None
+    if engines is None:
+        engines = start_engines(cfg)
+    rr.placement, rr.store, rr.workers = engines.placement, engines.store, engines.workers
     placed = rr.placement
-    rr.store = StagingStore.create(num_shards=place.store.shards, num_cpus=place.store.num_cpus,
-                                   shard_options=placed.store.options)  # fmt: skip
-    if kept is None:
-        rr.workers = WorkerPool.start(cfg, store=rr.store, slot_options=placed.workers.options)
-    else:
-        kept.reset(cfg, rr.store)
-        rr.workers = kept
     scratch = rr.storage.local_path("scratch")
     rr.env = EnvironmentClient.start(cfg.environment_config(), rr.workers, rr.store,
                                      str(scratch) if scratch else None,

@@ -12,7 +12,7 @@ import pytest
 
 from rollout_recovery.config import load_config
 from rollout_recovery.errors import ComponentLost
-from rollout_recovery.run import TrainingRun
+from rollout_recovery.run import Kept, TrainingRun
 from rollout_recovery.storage import RunStorage
 
 
@@ -112,20 +112,21 @@ def test_max_restores_zero_ends_at_the_first_death_and_other_errors_are_not_rest
     assert len(calls) == 2  # not restored: only a dead actor is
 
 
-def test_a_halted_controller_is_handed_to_the_next_open_and_killed_when_restores_run_out(
+def test_what_was_kept_is_handed_to_the_next_open_and_stopped_when_restores_run_out(
     opened, tmp_path
 ):
     _, calls = opened
-    halted = _Proxy()
+    engines = _Engines()
+    kept = Kept(_Proxy(), engines)
 
     def loop(run) -> None:
-        run.kept = halted  # as close() does when the engines can serve the restore
+        run.kept = kept  # as close() does when the engines can serve the restore
         raise ComponentLost("store shard", "its worker process has died")
 
     with pytest.raises(ComponentLost):
         TrainingRun.keep_running(_cfg(tmp_path, 1), loop)
-    assert [run.given for _, run in calls] == [None, halted]
-    assert halted.calls == ["kill"]  # the last one, not restored from, is ended
+    assert [run.given for _, run in calls] == [None, kept]
+    assert kept.controller.calls == ["kill"] and engines.calls == ["stop"]  # the last one
 
 
 class _Proxy:
@@ -147,36 +148,58 @@ class _Proxy:
         self.calls.append("kill")
 
 
+class _Engines:
+    """lifecycle.Engines as the trainer's process holds them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def drop_store(self) -> None:
+        self.calls.append("drop_store")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
 class _Notices:
     def stop(self) -> None:
         pass
 
 
-def _closed(tmp_path, proxy: _Proxy, lost: ComponentLost, keep: bool = True) -> TrainingRun:
+def _closed(tmp_path, proxy: _Proxy, engines: _Engines, lost: ComponentLost, keep: bool):
     run = TrainingRun.__new__(TrainingRun)
     run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}",
                                  f"failover.keep_engines={str(keep).lower()}"])  # fmt: skip
-    run.rollouts, run.kept, run._notices, run._scratch = proxy, None, _Notices(), None
+    run.rollouts, run.engines, run.kept = proxy, engines, None
+    run._notices, run._scratch = _Notices(), None
     run.close(lost=lost)
     return run
 
 
 @pytest.mark.parametrize(
-    ("component", "proxy", "keep", "kept"),
+    ("component", "proxy", "keep", "expect"),
     [
-        ("store shard", _Proxy(), True, True),
-        ("environment actor", _Proxy(), True, True),
-        ("controller", _Proxy(), True, False),  # the engines died with their owner
-        ("store shard", _Proxy(), False, False),  # failover.keep_engines=false
-        ("store shard", _Proxy(halt_fails=True), True, False),  # the controller died meanwhile
-        ("store shard", _Proxy(settles=False), True, False),  # its call never ended
+        ("store shard", _Proxy(), True, "halted"),
+        ("environment actor", _Proxy(), True, "halted"),
+        ("controller", _Proxy(), True, "engines"),  # a new controller resets them
+        ("store shard", _Proxy(), False, None),  # failover.keep_engines=false
+        ("store shard", _Proxy(halt_fails=True), True, None),  # the controller died meanwhile
+        ("store shard", _Proxy(settles=False), True, None),  # its call never ended
+        ("worker", _Proxy(), True, None),
     ],
 )
-def test_the_engines_are_kept_only_when_the_controller_lives_and_its_call_ended(
-    tmp_path, component, proxy, keep, kept
+def test_the_engines_are_kept_where_they_can_serve_the_restore(
+    tmp_path, component, proxy, keep, expect
 ):
-    run = _closed(tmp_path, proxy, ComponentLost(component, "its worker process has died"), keep)
-    assert (run.kept is proxy) is kept
-    assert ("kill" in proxy.calls) is not kept
-    if kept:
-        assert proxy.calls == ["control:halt", "settled"]
+    engines = _Engines()
+    lost = ComponentLost(component, "its worker process has died")
+    run = _closed(tmp_path, proxy, engines, lost, keep)
+    assert run.engines is None
+    if expect is None:  # everything stopped: the restore starts new engines
+        assert run.kept is None and "kill" in proxy.calls and engines.calls[-1] == "stop"
+        return
+    assert run.kept.engines is engines and engines.calls == ["drop_store"]
+    if expect == "halted":
+        assert run.kept.controller is proxy and proxy.calls == ["control:halt", "settled"]
+    else:
+        assert run.kept.controller is None and proxy.calls == ["kill"]
