@@ -97,7 +97,7 @@ LEVELS = ("none", "turn", "prefix")
 JOB = ("grpo.prompts_per_step=1", "grpo.generations_per_prompt=4",
        "policy.generation.max_new_tokens=160",
        "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
-       "rollout_checkpointing.keep_latest_k=1000", "token_capture.log_interval_tokens=8",
+       "rollout_checkpointing.keep_latest_k=1000",
        "failover.max_restores=1000", "failover.unhealthy_after_s=4",
        "rollout_checkpointing.max_consecutive_failures=30",
        "preemption.grace_s=20")  # fmt: skip
@@ -237,9 +237,14 @@ class LevelRun:
         return lines[-1][-300:] if lines else "(no output)"
 
 
+# The token log is part of what prefix level keeps (a call goes on from its newest row); below
+# it a call in flight is decoded again from its start, as a restore at that level promises.
+TOKEN_LOG = {"prefix": ["token_capture.log_interval_tokens=8"]}
+
+
 def overrides(run_dir: Path, steps: int, level: str, token: str) -> list[str]:
     return [f"checkpointing.checkpoint_dir={run_dir}", f"grpo.steps={steps}", *JOB,
-            f"rollout_recovery.target_level={level}",
+            *TOKEN_LOG.get(level, []), f"rollout_recovery.target_level={level}",
             f"token_capture.control_auth_token={token}"]  # fmt: skip
 
 

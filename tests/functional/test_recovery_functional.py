@@ -307,8 +307,8 @@ def test_the_async_check_fails_on_each_broken_invariant(jobs):
 def test_a_run_under_a_stream_of_faults_trains_what_a_fault_free_run_trains(jobs):
     """The chaos soak at prefix level (scripts/chaos_soak.py): a store shard, the controller, a
     worker and a preemption, one after another in one run. The store shard's and the
-    controller's deaths are restored in `train`'s own process (the first keeping the engines:
-    the same processes serve after it), the worker heals in place, the
+    controller's deaths are restored in `train`'s own process keeping the engines (the same
+    processes serve after each), the worker heals in place, the
     preemption exits 0 and the soak restores it; every step's batch and loss and the final
     trainer checkpoint equal the fault-free run's, every rollout trained once, the trained
     tokens are in the engines' records, and calls resumed from their prefixes."""
@@ -321,7 +321,7 @@ def test_a_run_under_a_stream_of_faults_trains_what_a_fault_free_run_trains(jobs
     assert level["faults"] == 4 and level["rollouts_lost"] == level["trained_twice"] == 0
     assert level["healed"] == {
         "store_shard_kill": {"restored_keeping_engines": 1},
-        "controller_kill": {"restored_in_process": 1},
+        "controller_kill": {"restored_keeping_engines": 1},
         "worker_kill": {"in_place": 1},
         "preemption": {"restarted": 1},
     }

@@ -203,3 +203,14 @@ def test_the_engines_are_kept_where_they_can_serve_the_restore(
         assert run.kept.controller is proxy and proxy.calls == ["control:halt", "settled"]
     else:
         assert run.kept.controller is None and proxy.calls == ["kill"]
+
+
+def test_a_pool_with_a_lost_worker_is_not_kept():
+    """A lost worker cannot serve the restored job: the reset refuses before touching any
+    engine, and the job start falls back to new engines (lifecycle.start_job)."""
+    from rollout_recovery.generation.pool import WorkerPool, WorkerSpec
+
+    pool = WorkerPool([], WorkerSpec({}, None, 1.0, None))
+    pool.lost[0] = "actor_dead"
+    with pytest.raises(RuntimeError, match=r"cannot keep the engines: workers lost \[0\]"):
+        pool.reset(load_config(None, []), store=None)
