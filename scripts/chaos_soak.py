@@ -110,7 +110,7 @@ OUTAGE_SETTLED_S = 17.0
 # death (measured: 13 of 23,680 over a 17-fault run).
 UNREAD_SHARE = 0.005
 READ_EVERY_S = 0.25  # the engines' records are read this often: a sudden death's unread gap
-FAULT_COST_S = 35.0  # a fault's average wall cost here (an engine start, mostly): sizes the stream
+FAULT_COST_S = 35.0  # a fault's average wall cost here, its wait included: sizes the stream
 
 
 @dataclass
@@ -616,7 +616,9 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit("chaos_soak: stopped by SIGTERM"))
     seed = secrets.randbelow(2**31) if args.seed is None else args.seed
     count = args.count or max(len(kinds), int(args.minutes * 60 / len(levels) / FAULT_COST_S))
-    steps = args.steps or 2 * count + 3
+    # A run goes on stepping while some faults heal (an outage's writes tried again): four
+    # steps a fault leave every fault of the stream a step to land in.
+    steps = args.steps or 4 * count + 3
     stream = stream_of(seed, kinds, count)
     out = (args.out or Path(tempfile.mkdtemp(prefix="chaos-soak-"))).resolve()
     out.mkdir(parents=True, exist_ok=True)
