@@ -25,7 +25,10 @@ Data flow of a step (each arrow a call across processes):
 
 `start` and `close` are controller/lifecycle.py. Where the store shards, the environment actors
 and the workers run is `placement` (placement.py): reserved before they start, given back by
-`close` once they are gone.
+`close` once they are gone. As a Ray actor (`SingleController`) the controller gets its
+placement, first store and workers from the caller's process, so they outlive it; `halt` and
+`restart` build the job again around the same workers after a store shard or an environment
+actor died (run.py `TrainingRun.keep_running`).
 
 Every snapshot's ledger records the model identity, so a restore can refuse another model.
 Snapshots are published as the controller's owner epoch (data_plane/ownership.py): once a newer
@@ -150,7 +153,8 @@ class RolloutRecovery:
         store, the environment actors, the coordinator and the supervision are new, the
         workers are reset to a fresh start's state (WorkerPool.reset) instead of started again
         (minutes of weight loading on a GPU node). What the engines did stays on record: the
-        evidence log goes on with the same cursors. Then `restore` as after `start`."""
+        evidence log goes on with the same cursors. The facade's state is made anew
+        (`__init__`), as for a new controller. Then `restore` as after `start`."""
         kept, evidence = Engines(self.placement, self.workers), self.evidence
         close_job(self, keep_engines=True)
         self.__init__(self.given_cfg, self.ray_address, owner)
