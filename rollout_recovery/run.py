@@ -205,7 +205,12 @@ class TrainingRun:
                             "step": run.start_step, "noticed_at": lost.at,
                             "stopped_s": stopped_at - lost.at, **run.opened})  # fmt: skip
                     return loop(run)
-            except ComponentLost as err:
+            except BaseException as err:
+                if run is None and kept is not None:  # `open` failed before it took them
+                    kept.stop()
+                    kept = None
+                if not isinstance(err, ComponentLost):
+                    raise
                 stopped_at = time.time()  # the rest of the job was stopped on the way out
                 kept = run.kept if run is not None else None
                 allowed = cfg.failover.max_restores
@@ -242,22 +247,24 @@ class TrainingRun:
         are kept in `kept`. The engines were started in this process (api.SingleController):
         whatever the controller did not stop is ended here."""
         self._notices.stop()
-        if self.rollouts is not None:
-            rollouts, self.rollouts = self.rollouts, None
-            self.kept = self._keep(rollouts, lost) if lost is not None else None
-            if self.kept is not None:
-                self.engines = None  # handed on
-            elif preempted or lost:
-                rollouts.kill()
-            else:
-                try:
-                    rollouts.close()
-                    self.engines = None  # the controller stopped them
-                except ComponentLost:  # the controller died under the loop's own error
+        try:
+            if self.rollouts is not None:
+                rollouts, self.rollouts = self.rollouts, None
+                self.kept = self._keep(rollouts, lost) if lost is not None else None
+                if self.kept is not None:
+                    self.engines = None  # handed on
+                elif preempted or lost:
                     rollouts.kill()
-        if self.engines is not None:
-            engines, self.engines = self.engines, None
-            engines.stop()
+                else:
+                    try:
+                        rollouts.close()
+                        self.engines = None  # the controller stopped them
+                    except ComponentLost:  # the controller died under the loop's own error
+                        rollouts.kill()
+        finally:
+            if self.engines is not None:  # however the controller ended
+                engines, self.engines = self.engines, None
+                engines.stop()
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None

@@ -214,3 +214,26 @@ def test_a_pool_with_a_lost_worker_is_not_kept():
     pool.lost[0] = "actor_dead"
     with pytest.raises(RuntimeError, match=r"cannot keep the engines: workers lost \[0\]"):
         pool.reset(load_config(None, []), store=None)
+
+
+def test_what_was_kept_is_stopped_when_the_next_open_fails(monkeypatch, tmp_path):
+    kept = Kept(_Proxy(), _Engines())
+    opens = []
+
+    def fake_open(cls, cfg, restore=False, ray_address="local", given=None):
+        opens.append(given)
+        if given is not None:
+            raise OSError("the run's location is gone")
+        run = _OpenedRun(RunStorage(str(tmp_path / "run")), 0)
+        run.kept = kept
+        return run
+
+    monkeypatch.setattr(TrainingRun, "open", classmethod(fake_open))
+
+    def loop(run) -> None:
+        raise ComponentLost("environment actor", "its worker process has died")
+
+    with pytest.raises(OSError, match="location is gone"):
+        TrainingRun.keep_running(_cfg(tmp_path, 2), loop)
+    assert opens == [None, kept]
+    assert kept.controller.calls == ["kill"] and kept.engines.calls == ["stop"]
