@@ -198,6 +198,9 @@ class TrainingRun:
             run = None
             try:
                 with cls.open(cfg, restore, ray_address, kept) as run:
+                    if kept is not None and not run.opened.get("engines_kept"):
+                        print("the engines could not be kept (a worker was lost or replaced): "
+                              "they started again", flush=True)  # fmt: skip
                     if lost is not None:  # with the time to recover, by part
                         step_log.append(run.storage, {
                             "event": "restored_in_process", "component": lost.component,

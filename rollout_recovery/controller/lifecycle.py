@@ -118,30 +118,13 @@ def start_job(
     rr.cfg, rr.storage = job_config(rr.cfg, rr.storage, rr.owner)
     cfg = rr.cfg
     init_ray(rr.ray_address, log_to_driver=False)
-    place = cfg.placement
     if engines is not None and engines.store is None:
-        rr.placement = engines.placement
-        rr.store = StagingStore.create(num_shards=place.store.shards,
-                                       num_cpus=place.store.num_cpus,
-                                       shard_options=engines.placement.store.options)  # fmt: skip
-        try:
-            engines.workers.reset(cfg, rr.store)
-            engines.store, rr.engines_reset = rr.store, True
-        except Exception as err:
-            log.warning("the engines could not be kept (%s): starting new ones", one_line(err))
-            rr.store.shutdown()
-            rr.store = None
-            engines.stop()
-            engines = None
+        engines = _reset_engines(rr, engines)
     if engines is None:
         engines = start_engines(cfg)
     rr.placement, rr.store, rr.workers = engines.placement, engines.store, engines.workers
-    placed = rr.placement
-    scratch = rr.storage.local_path("scratch")
-    rr.env = EnvironmentClient.start(cfg.environment_config(), rr.workers, rr.store,
-                                     str(scratch) if scratch else None,
-                                     count=place.environment.actors,
-                                     actor_options=placed.environment.options)  # fmt: skip
+    if rr.env is None:
+        rr.env = _start_environment(rr)
     rr.coordinator = CheckpointCoordinator(cfg.checkpoint_config(), rr.state, rr.store,
                                            rr.workers, rr.env, rr.storage, rr.metrics,
                                            rr.owner)  # fmt: skip
@@ -158,6 +141,42 @@ def start_job(
             on_replaced=lambda: rr.evidence.write_workers(metrics_url),
         )  # fmt: skip
         rr._supervision = asyncio.run_coroutine_threadsafe(rr.supervisor.run(), rr._loop.loop)
+
+
+def _start_environment(rr: RolloutRecovery) -> EnvironmentClient:
+    scratch = rr.storage.local_path("scratch")
+    return EnvironmentClient.start(rr.cfg.environment_config(), rr.workers, rr.store,
+                                   str(scratch) if scratch else None,
+                                   count=rr.cfg.placement.environment.actors,
+                                   actor_options=rr.placement.environment.options)  # fmt: skip
+
+
+def _reset_engines(rr: RolloutRecovery, engines: Engines) -> Engines | None:
+    """The engines of a job before, reset to serve `rr`'s (WorkerPool.reset), its store and
+    environment actors starting beside the reset; or None, with what did start stopped and
+    the engines ended, where they cannot be kept (a worker lost or dead): new ones start."""
+    cfg, place = rr.cfg, rr.cfg.placement
+    rr.placement, rr.workers = engines.placement, engines.workers
+    store = rr.store = StagingStore.create(num_shards=place.store.shards,
+                                           num_cpus=place.store.num_cpus,
+                                           shard_options=engines.placement.store.options,
+                                           wait=False)  # fmt: skip
+    try:
+        resetting = engines.workers.begin_reset(cfg, store)
+        rr.env = _start_environment(rr)
+        engines.workers.end_reset(resetting)
+        store.ready()
+    except Exception as err:
+        log.warning("the engines could not be kept (%s): starting new ones", one_line(err))
+        if rr.env is not None:
+            with contextlib.suppress(Exception):
+                rr.env.close(timeout_s=5)
+        store.shutdown()
+        engines.stop()
+        rr.env, rr.store, rr.placement, rr.workers = None, None, None, WorkerPool([])
+        return None
+    engines.store, rr.engines_reset = store, True
+    return engines
 
 
 def close_job(rr: RolloutRecovery, keep_engines: bool = False) -> None:

@@ -162,12 +162,15 @@ class StagingStore:
         num_cpus: float = 0,
         actor_options: dict[str, Any] | None = None,
         shard_options: Sequence[dict[str, Any]] | None = None,
+        wait: bool = True,
     ) -> StagingStore:
         """Start `num_shards` shard actors.
 
         `actor_options` go to Ray as they are (e.g. a runtime_env with object-store
         credentials); `shard_options[i]`, when given, are added for shard i alone (where it
         runs: resources, a scheduling strategy; rollout_recovery/placement.py makes them).
+        `wait=False` returns before the shards answer (`ready` waits), so that other actors
+        start beside them.
         """
         if num_shards < 1:
             raise ValueError("num_shards must be >= 1")
@@ -186,8 +189,14 @@ class StagingStore:
             ).remote(i, num_shards, partitions)
             for i in range(num_shards)
         ]
-        ray.get([s.stats.remote() for s in shards])
-        return cls(shards, partitions, limits)
+        store = cls(shards, partitions, limits)
+        if wait:
+            store.ready()
+        return store
+
+    def ready(self) -> None:
+        """Wait until every shard answers (raises if one failed to start)."""
+        ray.get([s.stats.remote() for s in self.shards])
 
     def shutdown(self) -> None:
         for s in self.shards:

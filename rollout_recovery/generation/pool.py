@@ -190,23 +190,29 @@ class WorkerPool:
         return pool
 
     def reset(self, cfg: RolloutRecoveryConfig, store) -> list[dict[str, int]]:
-        """Keep these engines for a restored job (api.py `restart`): each worker aborts its
+        """Keep these engines for a restored job (lifecycle.py): each worker aborts its
         requests, forgets its calls, serves `store` and the token log of `cfg` (the new
         controller's claim), and is back on the model's own weights as version 0. Every
         worker must be live and reset, or this raises and the caller starts new engines."""
+        return self.end_reset(self.begin_reset(cfg, store))
+
+    def begin_reset(self, cfg: RolloutRecoveryConfig, store) -> list[ray.ObjectRef]:
+        """`reset` started: the workers reset while the caller starts other actors;
+        `end_reset` waits for them."""
         if self.spec is None or self.lost or not self.workers:
             raise RuntimeError(f"cannot keep the engines: workers lost {sorted(self.lost)}")
         config = cfg.worker_config().model_dump(mode="json")
         config["token_capture"]["control_auth_token"] = self.spec.control_token
         fence = config["token_capture"].get("log_fence")
-        out = ray.get([w.actor.reset.remote(store, fence) for w in self.workers],
-                      timeout=self.spec.startup_timeout_s)  # fmt: skip
         self.spec.config, self.spec.store = config, store
         with self._lock:
             self.weights = None
             for w in self.workers:
                 w.weight_version = 0
-        return out
+        return [w.actor.reset.remote(store, fence) for w in self.workers]
+
+    def end_reset(self, refs: list[ray.ObjectRef]) -> list[dict[str, int]]:
+        return ray.get(refs, timeout=self.spec.startup_timeout_s)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Graceful shutdown of every worker, then kill the actors (even if shutdown failed)."""
