@@ -306,7 +306,7 @@ def test_the_async_check_fails_on_each_broken_invariant(jobs):
 
 def test_a_run_under_a_stream_of_faults_trains_what_a_fault_free_run_trains(jobs):
     """The chaos soak at prefix level (scripts/chaos_soak.py): a store shard, the controller, a
-    worker and a preemption, one after another in one run. The store shard's and the
+    preemption and a worker, one after another in one run. The store shard's and the
     controller's deaths are restored in `train`'s own process keeping the engines (the same
     processes serve after each), the worker heals in place, the
     preemption exits 0 and the soak restores it; every step's batch and loss and the final
