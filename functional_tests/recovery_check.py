@@ -321,7 +321,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             # 0.9 intervals of this snapshot lands before anything newer is published.
             delay = args.rng.uniform(0.1, 0.9) * args.interval
             kill_at = snapshot_time(ready["snapshot"]) + delay
-        if kill_at is not None and time.time() >= kill_at and run_ending(run_dir):
+        if kill_at is not None and time.time() >= kill_at and run_ending(run_dir, args.steps):
             # Too late (a slow poll on a loaded machine): the run finished its steps and is
             # stopping its workers. It exits without a kill, and phase 1 runs again.
             kill_at = None
@@ -337,7 +337,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             try:
                 engine = read_engine_records(workers, args.token)
             except httpx.HTTPError:  # fatal, unless the run was stopping its workers
-                if not run_ending(run_dir):
+                if not run_ending(run_dir, args.steps):
                     raise
                 note(foreign, signal_own(others, signal.SIGCONT))
                 kill_at = None
@@ -376,10 +376,13 @@ def note(foreign: dict[int, str], pids: list[int]) -> None:
         foreign.setdefault(pid, command(pid))
 
 
-def run_ending(run_dir: str) -> bool:
-    """Whether a worker of the running phase has exited: its run is stopping its job."""
+def run_ending(run_dir: str, last_step: int) -> bool:
+    """Whether the running phase is stopping its job: it logged its last step, or a worker of
+    it has exited (a worker stops serving before its process ends)."""
     from rollout_recovery.storage import RunStorage
 
+    if last_step in steps(run_dir):
+        return True
     workers = json.loads(RunStorage(run_dir).read_bytes("workers.json"))["workers"]
     return not all(alive_own(w["pid"]) for w in workers)
 
