@@ -143,12 +143,13 @@ class RolloutRecovery:
         """After the death of a store shard or the environment actor: end the other store
         shards and environment actors too, so a call still waiting on them (the `default`
         group's) fails now; `restart` follows once it did. Runs in the `control` group."""
-        for actor in [*(self.store.shards if self.store else []),
-                      *(self.env.actors if self.env else [])]:  # fmt: skip
+        if self.store is not None:
+            self.store.shutdown()
+        for actor in self.env.actors if self.env else []:
             with contextlib.suppress(Exception):
                 ray.kill(actor)
 
-    def restart(self, owner: Owner) -> dict:
+    def restart(self, owner: Owner) -> None:
         """Build the job again as `owner` (the restore's new claim) around the same engines: the
         store, the environment actors, the coordinator and the supervision are new, the
         workers are reset to a fresh start's state (WorkerPool.reset) instead of started again
@@ -158,7 +159,6 @@ class RolloutRecovery:
         kept, evidence = Engines(self.placement, self.workers), self.evidence
         close_job(self, keep_engines=True)
         self.__init__(self.given_cfg, self.ray_address, owner)
-        t0 = time.monotonic()
         try:
             start_job(self, standalone_gateway=False, engines=kept)
         except BaseException:
@@ -166,7 +166,6 @@ class RolloutRecovery:
             raise
         if evidence is not None and self.evidence is not None:
             self.evidence.carry_on(evidence)
-        return {"reset_s": time.monotonic() - t0}
 
     def submit_groups(
         self, groups: list[tuple[str, dict]], seeds: Callable[[int, int], int]
