@@ -42,6 +42,7 @@ from rollout_recovery.run import TrainingRun, group_id
 from rollout_recovery.training.checkpoint import load_state, state_files
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages, importance_weights
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
+from rollout_recovery.training.seeds import PromptSeeds, StepSeeds
 
 
 class TrainingDataError(RecoveryError):
@@ -157,21 +158,13 @@ def train(
     return [history[step] for step in sorted(history)]
 
 
-def _seed(g, step: int, group: int, gen: int) -> int:
-    return ((g.seed * 1_000_003 + step) * 10_007 + group) * 101 + gen
-
-
 def _producer(cfg: RolloutRecoveryConfig, run: TrainingRun) -> Producer:
     """Asynchronous dispatch, from the restored checkpoint's cursor when there is one. A
     prompt's later attempts sample with other seeds than its first."""
     g = cfg.grpo
     extra = run.checkpoint.extra if run.checkpoint is not None else {}
     cursor = Cursor.model_validate(extra[CURSOR_KEY]) if CURSOR_KEY in extra else None
-
-    def seeds(prompt: int, attempt: int, gen: int) -> int:
-        step, i = divmod(prompt, g.prompts_per_step)
-        return _seed(g, step, i, gen) + 7_919 * attempt
-
+    seeds = PromptSeeds(g.seed, g.prompts_per_step)
     return Producer(run, seeds, cursor, run.restored_groups())
 
 
@@ -191,11 +184,7 @@ def _train_step(cfg, run: TrainingRun, model, opt, step: int) -> dict:
     run.begin_step(step)
     tasks = run.tasks(step)
     groups = [(group_id(step, i), task) for i, task in enumerate(tasks)]
-
-    def seeds(gi: int, gen: int, step: int = step) -> int:
-        return _seed(g, step, gi, gen)
-
-    results = run.submit_groups(groups, seeds)
+    results = run.submit_groups(groups, StepSeeds(g.seed, step))
     lease = run.take_batch(results)
     loss, reward, gap, _ = grpo_step(model, opt, lease.rows, g.generations_per_prompt)
     run.ack(lease)
