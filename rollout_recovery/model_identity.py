@@ -13,7 +13,7 @@ sha256 over the tensors sorted by name, each as name, dtype, shape and raw bytes
 safetensors headers, so the same tensors give the same digest whichever file holds them.
 
 `resolve_model_path` turns the configured `policy.model_path` into what vLLM and the trainer
-load: the directory of the offline tiny model for `tiny://default`, a hub name for
+load: the directory of the offline tiny model for `tiny://<name>`, a hub name for
 `hf://<org>/<name>`, or the local directory as configured.
 """
 
@@ -92,9 +92,9 @@ def resolve_model_path(model_path: str) -> str:
     """Turn a validated `policy.model_path` into something vLLM's `--model` accepts. The tiny
     model is built (once, cached) on the node that asks, so import its builder only then."""
     if model_path.startswith(TINY_MODEL_SCHEME):
-        from rollout_recovery.tiny_model import ensure_tiny_model
+        from rollout_recovery.tiny_model import ensure_tiny_model, tiny_spec
 
-        return str(ensure_tiny_model())
+        return str(ensure_tiny_model(spec=tiny_spec(model_path.removeprefix(TINY_MODEL_SCHEME))))
     if model_path.startswith(HUB_MODEL_SCHEME):
         return model_path.removeprefix(HUB_MODEL_SCHEME)
     return model_path

@@ -1,8 +1,10 @@
-"""An offline, byte-for-byte reproducible tiny Llama with a locally trained byte-level BPE.
+"""Offline, byte-for-byte reproducible tiny models, and the cache that builds each once.
 
 Nothing can be downloaded from a model hub on our machines, yet every engine test needs a
-model vLLM and transformers both load. This builds one from a fixed corpus and a fixed seed:
-the same files, the same bytes, every time (for a given tokenizers/transformers version).
+model vLLM and transformers both load. `tiny://default` is a Llama with a byte-level BPE
+trained here on a fixed corpus; `tiny://qwen3` (tiny_qwen.py) is a Qwen3 with Qwen's real
+vocabulary. Both come from fixed seeds: the same files, the same bytes, every time (for a
+given tokenizers/transformers version).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar, Protocol
+
+from rollout_recovery.tiny_qwen import TinyQwen3Spec
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -52,6 +57,8 @@ def _corpus() -> list[str]:
 class TinyModelSpec:
     """Shape of the tiny model; head_dim must be >= 32 for vLLM's CPU attention."""
 
+    dir_prefix: ClassVar[str] = "tiny-llama"
+
     vocab_size: int = 512
     hidden_size: int = 256
     intermediate_size: int = 512
@@ -69,6 +76,32 @@ class TinyModelSpec:
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+    def build(self, out_dir: str | Path) -> Path:
+        return build_tiny_model(out_dir, self)
+
+
+class TinySpec(Protocol):
+    """What the cache needs of a tiny model's spec: a directory name and a builder."""
+
+    dir_prefix: ClassVar[str]
+
+    def digest(self) -> str: ...
+
+    def build(self, out_dir: str | Path) -> Path: ...
+
+
+# `tiny://<name>` -> the spec it builds. The default's spec (and so its bytes and cache
+# directory) never changes; a new model gets a new name.
+TINY_MODELS: dict[str, TinySpec] = {"default": TinyModelSpec(), "qwen3": TinyQwen3Spec()}
+
+
+def tiny_spec(name: str) -> TinySpec:
+    """The spec of `tiny://<name>`; the error lists the known names."""
+    if name not in TINY_MODELS:
+        known = ", ".join(f"`tiny://{n}`" for n in TINY_MODELS)
+        raise ValueError(f"unknown tiny model {name!r}; use one of {known}")
+    return TINY_MODELS[name]
 
 
 def _train_tokenizer(spec: TinyModelSpec):
@@ -218,16 +251,14 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
-def tiny_model_dir(
-    cache_dir: str | Path | None = None, spec: TinyModelSpec = TinyModelSpec()
-) -> Path:
-    """Where the tiny model is cached (built there once it holds `model.safetensors`)."""
+def tiny_model_dir(cache_dir: str | Path | None = None, spec: TinySpec = TinyModelSpec()) -> Path:
+    """Where a tiny model is cached (built there once it holds `model.safetensors`)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / f"tiny-llama-{spec.digest()}"
+    return root / f"{spec.dir_prefix}-{spec.digest()}"
 
 
 def ensure_tiny_model(
-    cache_dir: str | Path | None = None, spec: TinyModelSpec = TinyModelSpec()
+    cache_dir: str | Path | None = None, spec: TinySpec = TinyModelSpec()
 ) -> Path:
     """Return the cached tiny model directory, building it once (safe across processes)."""
     target = tiny_model_dir(cache_dir, spec)
@@ -241,7 +272,7 @@ def ensure_tiny_model(
             return target
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=root))
         try:
-            build_tiny_model(tmp, spec)
+            spec.build(tmp)
             os.replace(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

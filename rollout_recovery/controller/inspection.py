@@ -660,9 +660,12 @@ class _Restorable:
                 )
             return {"path": model_path, "sha256": None}, said
         if model_path.startswith(TINY_MODEL_SCHEME):
-            from rollout_recovery.tiny_model import tiny_model_dir
+            from rollout_recovery.tiny_model import TINY_MODELS, tiny_model_dir
 
-            where = tiny_model_dir()
+            spec = TINY_MODELS.get(model_path.removeprefix(TINY_MODEL_SCHEME))
+            if spec is None:
+                return None, f"{model_path} is not a tiny model this version builds"
+            where = tiny_model_dir(spec=spec)
             if not (where / "model.safetensors").is_file():
                 return None, (
                     f"{model_path} is not built on this machine (at {where}; "
