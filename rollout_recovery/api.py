@@ -38,6 +38,7 @@ controller claimed the run's snapshot root, a checkpoint raises OwnerFenced and 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -81,6 +82,8 @@ from rollout_recovery.placement import JobPlacement
 from rollout_recovery.protocol import EpisodeOutcome
 from rollout_recovery.runtime import ActorProxy, LoopThread, init_ray
 from rollout_recovery.storage import RunStorage
+
+log = logging.getLogger("rollout_recovery")
 
 
 @dataclass
@@ -131,6 +134,12 @@ class RolloutRecovery:
         engines, self.engines = self.engines, None  # handed over: the job's from here on
         start_job(self, standalone_gateway, engines)
         return self
+
+    def take_over(self, owner: Owner, engines: Engines | None) -> None:
+        """A standby controller (`Standby`) takes on the job of one that died: claimed as
+        `owner`, on `engines`, then `start` as a new controller would."""
+        self.owner, self.engines = owner, engines
+        self.start()
 
     def close(self) -> None:
         close_job(self)
@@ -329,16 +338,30 @@ class RolloutRecovery:
         return {"snapshot_s": metrics["snapshot_s"], "snapshot": metrics["checkpoint"]}
 
 
+# One call at a time, and beside it the `control` group: a preemption's final checkpoint and
+# close run while the call its notice interrupted still holds the default group.
+CONTROLLER_OPTIONS = {"num_cpus": 0, "max_concurrency": 1, "concurrency_groups": {"control": 1}}
+
+
+def Standby(cfg: RolloutRecoveryConfig, ray_address: str = "local") -> ActorProxy:
+    """A controller process started ahead and left idle, holding no job and claiming nothing:
+    after the controller's death `SingleController` gives it the job, so the restore does not
+    wait for a new process to start (`failover.standby_controller`). Returns at once; the
+    process starts in the background."""
+    return ActorProxy(RolloutRecovery, (cfg, ray_address), **CONTROLLER_OPTIONS)
+
+
 def SingleController(
     cfg: RolloutRecoveryConfig, ray_address: str = "local", owner: Owner | None = None,
-    engines: Engines | None = None,
+    engines: Engines | None = None, standby: ActorProxy | None = None,
 ) -> tuple[ActorProxy, Engines]:  # fmt: skip
     """The RolloutRecovery controller as a Ray actor, used through the same calls as the
     in-process object, and the engines it runs on. `owner` is the claim on the run's snapshot
     root (`train` claims before it restores); without one it is claimed here. The placement,
     the store and the workers are started here, in the caller's process, so that they outlive
     the controller (Ray ends an actor with its owner); `engines`: those of a controller that
-    died, reset for this one instead (lifecycle.py)."""
+    died, reset for this one instead (lifecycle.py). `standby`: a controller started ahead
+    for `cfg` (`Standby`) takes the job; where it died meanwhile a new one starts."""
     if owner is None:  # claimed here, in the caller: its error is one line
         owner = claim_snapshot_root(RunStorage(cfg.checkpointing.checkpoint_dir))
     init_ray(ray_address, log_to_driver=False)
@@ -346,13 +369,25 @@ def SingleController(
         storage = RunStorage(cfg.checkpointing.checkpoint_dir)
         job_cfg, _ = job_config(with_token_log_uri(cfg), storage, owner)
         engines = start_engines(job_cfg)
-    # One call at a time, and beside it the `control` group: a preemption's final checkpoint
-    # and close run while the call its notice interrupted still holds the default group.
-    options = {"num_cpus": 0, "max_concurrency": 1, "concurrency_groups": {"control": 1}}
     try:
+        if standby is not None and _took_over(standby, owner, engines):
+            return standby, engines
         proxy = ActorProxy(RolloutRecovery, (cfg, ray_address, owner, engines), start="start",
-                           **options)  # fmt: skip
+                           **CONTROLLER_OPTIONS)  # fmt: skip
     except BaseException:
         engines.stop()
         raise
     return proxy, engines
+
+
+def _took_over(standby: ActorProxy, owner: Owner, engines: Engines) -> bool:
+    """Whether `standby` took the job; False where it had died (a new controller starts)."""
+    try:
+        standby.take_over(owner, engines)
+    except ComponentLost as err:
+        if err.component != "controller":
+            raise
+        log.warning("the standby controller had died (%s): starting a new one", err.reason)
+        standby.kill()
+        return False
+    return True

@@ -5,7 +5,7 @@ that into one `ComponentLost` naming the component and how it died.
 A dead controller fails the trainer's call at once. A dead store shard may not: the calls that
 were writing to it fail inside the episodes, and the step can wait on them until the liveness
 watch gives up. So while the trainer waits on a step it asks the controller, every
-`failover.health_interval_s`, which of its own actors are gone (`dead`).
+`failover.component_check_s`, which of its own actors are gone (`dead`).
 """
 
 from __future__ import annotations

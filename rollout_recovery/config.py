@@ -594,9 +594,12 @@ class FailoverConfig(_Block):
 
     health_interval_s: Float = Field(1.0, gt=0.0)
     """Seconds between the controller's health checks of each worker. An actor that died or an
-    engine that stopped is noticed at the next check (and at once by a call that fails). Also
-    the trainer's interval for asking, while it waits on a step, whether a store shard or the
-    environment actor died."""
+    engine that stopped is noticed at the next check (and at once by a call that fails)."""
+
+    component_check_s: Float = Field(0.25, gt=0.0)
+    """Seconds between the trainer's checks, while it waits on a step, whether a store shard or
+    the environment actor died (a readiness call to each; the controller's own death is seen
+    at once). Such a death is noticed within this, the first part of the time to recover."""
 
     unhealthy_after_s: Float = Field(10.0, gt=0.0)
     """A worker whose health check fails or does not answer for this long is declared dead:
@@ -618,10 +621,16 @@ class FailoverConfig(_Block):
     at the first."""
 
     keep_engines: bool = True
-    """In such a restore after the death of a store shard or the environment actor (the
-    controller alive), keep the workers' engines: each aborts its calls and is reset to the
-    model's own weights instead of starting again. Off, or after the controller's death, every
-    engine starts again."""
+    """In such a restore, keep the workers' engines: each aborts its calls and is reset to the
+    model's own weights instead of starting again. Off, or where an engine cannot be reset (a
+    worker lost, or replaced by one the dead controller owned), every engine starts again."""
+
+    standby_controller: bool = True
+    """With `keep_engines`, keep a second controller process started and idle beside the
+    running one (from the second step `train` runs after each start), so that after the
+    controller's death the restore does not wait for a new process to start and import the
+    project (about 1.2 s of the 2-3 s such a restore takes on a small CPU node). It costs one
+    idle process."""
 
     settle_s: Float = Field(30.0, gt=0.0)
     """How long the restore that keeps the engines waits for the controller's call still

@@ -35,6 +35,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 ENV = "ROLLOUT_RECOVERY_CRASH_AT"
 MARK_ENV = "ROLLOUT_RECOVERY_CRASH_MARK"
@@ -162,6 +163,14 @@ def actor_pid(sid: int, actor_class: str) -> int | None:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as fh:
             if fh.read().startswith(f"ray::{actor_class}".encode()):
                 return pid
+    return None
+
+
+def controller_pid(run_dir: str | Path) -> int | None:
+    """The process of the controller serving the run in `run_dir` (its `workers.json`): the
+    standby controller (`failover.standby_controller`) is a RolloutRecovery actor too."""
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads((Path(run_dir) / "workers.json").read_text())["controller_pid"])
     return None
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from rollout_recovery.api import GroupResult, SingleController
+from rollout_recovery.api import GroupResult, SingleController, Standby
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller import batches, step_log, trainer_checkpoints
 from rollout_recovery.controller.lifecycle import Engines
@@ -91,14 +91,18 @@ KEEPS_ENGINES = ("store shard", "environment actor", "controller")
 @dataclass
 class Kept:
     """What a restore in this process keeps of the job before (`TrainingRun.keep_running`):
-    its engines, and its controller when that is alive (halted) to build the job again."""
+    its engines, its controller when that is alive (halted) to build the job again, and the
+    standby controller that takes the job after the controller's death."""
 
     controller: ActorProxy | None
     engines: Engines
+    standby: ActorProxy | None = None
 
     def stop(self) -> None:
-        if self.controller is not None:
-            self.controller.kill()
+        for actor in (self.controller, self.standby):
+            if actor is not None:
+                with contextlib.suppress(Exception):
+                    actor.kill()
         self.engines.stop()
 
 
@@ -131,6 +135,9 @@ class TrainingRun:
         self._last_step = self.start_step - 1  # the last step begun
         self.opened: dict[str, float] = {}  # how long `open`'s parts took (keep_running logs it)
         self.kept: Kept | None = None  # what of the job a restore in this process keeps
+        self.ray_address = "local"
+        self.standby: ActorProxy | None = None  # failover.standby_controller (`_start_standby`)
+        self.wants_standby = False  # keep_running sets it while it has restores left
         self.engines: Engines | None = None  # started here for the controller (SingleController)
 
     @classmethod
@@ -163,11 +170,13 @@ class TrainingRun:
         run = cls(cfg, mine, owner, plan)
         t1 = time.monotonic()
         try:
+            run.ray_address = ray_address
             if kept is None or kept.controller is None:  # a new controller (on kept engines)
-                engines = kept.engines if kept is not None else None
-                run.rollouts, run.engines = SingleController(cfg, ray_address, owner, engines)
+                engines, standby = (kept.engines, kept.standby) if kept else (None, None)
+                run.rollouts, run.engines = SingleController(cfg, ray_address, owner, engines,
+                                                             standby)  # fmt: skip
             else:  # the halted controller, built again around its engines
-                run.rollouts, run.engines = kept.controller, kept.engines
+                run.rollouts, run.engines, run.standby = kept.controller, kept.engines, kept.standby
                 kept.controller.restart(owner)
             run._notices.start()  # after Ray's start, which installs a SIGTERM handler of its own
             t2 = time.monotonic()
@@ -198,6 +207,7 @@ class TrainingRun:
             run = None
             try:
                 with cls.open(cfg, restore, ray_address, kept) as run:
+                    run.wants_standby = restores < cfg.failover.max_restores
                     if kept is not None and not run.opened.get("engines_kept"):
                         print("the engines could not be kept (a worker was lost or replaced): "
                               "they started again", flush=True)  # fmt: skip
@@ -255,7 +265,7 @@ class TrainingRun:
                 rollouts, self.rollouts = self.rollouts, None
                 self.kept = self._keep(rollouts, lost) if lost is not None else None
                 if self.kept is not None:
-                    self.engines = None  # handed on
+                    self.engines = self.standby = None  # handed on
                 elif preempted or lost:
                     rollouts.kill()
                 else:
@@ -265,6 +275,10 @@ class TrainingRun:
                     except ComponentLost:  # the controller died under the loop's own error
                         rollouts.kill()
         finally:
+            if self.standby is not None:
+                with contextlib.suppress(Exception):
+                    self.standby.kill()
+                self.standby = None
             if self.engines is not None:  # however the controller ended
                 engines, self.engines = self.engines, None
                 engines.stop()
@@ -285,7 +299,7 @@ class TrainingRun:
         if lost.component == "controller":
             rollouts.kill()
             engines.drop_store()  # its shards hold their placement; the restore starts anew
-            return Kept(None, engines)
+            return Kept(None, engines, self.standby)
         try:
             rollouts.call_in("control", "halt", timeout=fo.settle_s)
             if not rollouts.settled(fo.settle_s):
@@ -293,7 +307,7 @@ class TrainingRun:
         except Exception:  # the controller is gone or stuck: the engines start again
             return None
         engines.drop_store()
-        return Kept(rollouts, engines)
+        return Kept(rollouts, engines, self.standby)
 
     def _final_checkpoint(self) -> None:
         """A preemption: hold every call, cut it, publish a snapshot within the grace left
@@ -372,10 +386,24 @@ class TrainingRun:
                 "run.begin_step (the restored calls continue with those weights)"
             )
         self.rollouts.set_step(step)
+        if step > self.start_step:  # after a step, so its start never slows a restore's first
+            self._start_standby()
         self._step, self._t0, self._batch_digest = step, time.monotonic(), None
         self._last_step = step
         self._wait_s = 0.0
         self._before = self.rollouts.counters()
+
+    def _start_standby(self) -> None:
+        """Start the standby controller (`failover.standby_controller`) where `keep_running`
+        could still restore: it takes the job after the controller's death (api.Standby)."""
+        fo = self.cfg.failover
+        if (
+            self.standby is None
+            and self.wants_standby
+            and fo.keep_engines
+            and (fo.standby_controller)
+        ):
+            self.standby = Standby(self.cfg, self.ray_address)
 
     def tasks(self, step: int) -> list[dict]:
         """Step `step`'s tasks from `environment.tasks(grpo.prompts_per_step, seed)`, checked;
@@ -497,7 +525,7 @@ class TrainingRun:
 
     def _watched(self, name: str, *args: object) -> object:
         """A call that waits on the step's episodes: a dead controller ends it at once, and
-        every `failover.health_interval_s` the controller is asked whether a store shard or
+        every `failover.component_check_s` the controller is asked whether a store shard or
         the environment actor died, which would leave the call waiting (components.py)."""
 
         def probe() -> None:
@@ -508,7 +536,7 @@ class TrainingRun:
             if lost:
                 raise lost[0]
 
-        every = self.cfg.failover.health_interval_s
+        every = self.cfg.failover.component_check_s
         try:
             return self.rollouts.watched(name, args, probe, every)
         except (ComponentLost, Preempted, KeyboardInterrupt):

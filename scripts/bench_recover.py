@@ -23,9 +23,10 @@ Per (component, calls in flight): a 2-step `train` run at prefix level with the 
   a resumed call (the call-attempt records' `first_token_at`).
 
 `total` is the SIGKILL to that first token; `beyond engines` is `total` less the engines' start,
-the restore's own overhead. Also reported: the calls the restore resumed and the chosen
-snapshot's bytes
-as written (`checkpoints.jsonl`; an incremental snapshot writes only what changed).
+the restore's own overhead. `standby`: after the controller's death, whether the standby
+controller (`failover.standby_controller`, started with step 2) took the job. Also reported:
+the calls the restore resumed and the chosen snapshot's bytes as written (`checkpoints.jsonl`;
+an incremental snapshot writes only what changed).
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
         while proc.poll() is None and not any("event" not in x for x in _lines(steps)):
             time.sleep(0.1)
         time.sleep(1.0)
-        pid = crashpoints.actor_pid(proc.pid, ACTORS[component])
+        pid = (crashpoints.controller_pid(run_dir) if component == "controller"
+               else crashpoints.actor_pid(proc.pid, ACTORS[component]))  # fmt: skip
         if pid is None or proc.poll() is not None:
             raise SystemExit(f"{component}-{calls}: no {ACTORS[component]} to kill; see {log.name}")
+        ready = set(crashpoints.session_pids(proc.pid)) - {pid}  # a standby is among them
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=900)
@@ -102,10 +105,12 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
     resumed = [r for r in attempts if r["resume"] == "resumed" and r["first_token_at"]
                and r["first_token_at"] >= event["opened_at"]]  # fmt: skip
     first = min((r["first_token_at"] for r in resumed), default=None)
+    after = crashpoints.controller_pid(run_dir)
     row = {
         "component": component,
         "calls": calls,
         "engines_kept": kept,
+        "standby": component == "controller" and after in ready,
         "noticed_s": event["noticed_at"] - killed_at,
         "stopped_s": event["stopped_s"],
         "planned_s": event["plan_s"],
@@ -126,7 +131,8 @@ def measure(component: str, calls: int, max_tokens: int, out: Path) -> dict:
     return row
 
 
-COLUMNS = [("component", "{}"), ("calls", "{}"), ("engines_kept", "{}"), ("resumed_calls", "{}"),
+COLUMNS = [("component", "{}"), ("calls", "{}"), ("engines_kept", "{}"), ("standby", "{}"),
+           ("resumed_calls", "{}"),
            ("snapshot_bytes", "{:,}"), ("noticed_s", "{:.2f}"), ("stopped_s", "{:.2f}"),
            ("planned_s", "{:.2f}"), ("job_started_s", "{:.1f}"), ("engines_s", "{:.1f}"),
            ("restored_s", "{:.2f}"), ("first_token_s", "{:.2f}"), ("total_s", "{:.1f}"),

@@ -341,7 +341,8 @@ def inject(run: LevelRun, kind: str, rng: random.Random, steps: int) -> Injected
             sig = signal.SIGKILL if kind == "worker_kill" else signal.SIGSTOP
             run._signal([targets[0]["pid"]], sig)
         else:
-            pid = crashpoints.actor_pid(run.proc.pid, ACTORS[kind])
+            pid = (crashpoints.controller_pid(run.run_dir) if kind == "controller_kill"
+                   else crashpoints.actor_pid(run.proc.pid, ACTORS[kind]))  # fmt: skip
             if pid is None:
                 run.thaw()
                 f.note = f"no {ACTORS[kind]} process to kill"

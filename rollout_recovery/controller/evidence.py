@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 
 from rollout_recovery.errors import one_line
@@ -34,11 +35,14 @@ class EvidenceLog:
         self.write_workers(self._metrics_url)
 
     def write_workers(self, metrics_url: str | None) -> None:
-        """Where this session's workers serve (URL, pids) and the controller's metrics, so an
-        operator or a check can read them (the control token is not written)."""
+        """Where this session's workers serve (URL, pids), the controller's metrics and its
+        process, so an operator or a check can read them (the control token is not written).
+        A check that kills the controller reads its pid here: the standby controller is a
+        RolloutRecovery process too."""
         self._metrics_url = metrics_url
         body = {"session": self.session, "workers": self.workers.describe(),
-                "metrics_url": metrics_url, "startup_s": self.workers.startup_s}  # fmt: skip
+                "metrics_url": metrics_url, "startup_s": self.workers.startup_s,
+                "controller_pid": os.getpid()}  # fmt: skip
         try:
             self.storage.write_bytes(WORKERS_FILE, json.dumps(body, indent=1).encode())
         except OSError as err:

@@ -166,11 +166,12 @@ class _Notices:
         pass
 
 
-def _closed(tmp_path, proxy: _Proxy, engines: _Engines, lost: ComponentLost, keep: bool):
+def _closed(tmp_path, proxy: _Proxy, engines: _Engines, lost: ComponentLost, keep: bool,
+            standby: _Proxy | None = None):  # fmt: skip
     run = TrainingRun.__new__(TrainingRun)
     run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}",
                                  f"failover.keep_engines={str(keep).lower()}"])  # fmt: skip
-    run.rollouts, run.engines, run.kept = proxy, engines, None
+    run.rollouts, run.engines, run.kept, run.standby = proxy, engines, None, standby
     run._notices, run._scratch = _Notices(), None
     run.close(lost=lost)
     return run
@@ -237,3 +238,94 @@ def test_what_was_kept_is_stopped_when_the_next_open_fails(monkeypatch, tmp_path
         TrainingRun.keep_running(_cfg(tmp_path, 2), loop)
     assert opens == [None, kept]
     assert kept.controller.calls == ["kill"] and kept.engines.calls == ["stop"]
+
+
+@pytest.mark.parametrize(
+    ("component", "keep"),
+    [("controller", True), ("store shard", True), ("controller", False), ("worker", True)],
+)
+def test_the_standby_controller_is_handed_on_with_the_engines_or_ended(tmp_path, component, keep):
+    standby = _Proxy()
+    lost = ComponentLost(component, "its worker process has died")
+    run = _closed(tmp_path, _Proxy(), _Engines(), lost, keep, standby)
+    assert run.standby is None
+    if run.kept is not None:
+        assert run.kept.standby is standby and standby.calls == []
+    else:
+        assert standby.calls == ["kill"]
+    if component != "worker" and keep:
+        run.kept.stop()  # restores ran out: everything kept ends, the standby too
+        assert standby.calls == ["kill"]
+
+
+class _Checked:
+    def check(self) -> None:
+        pass
+
+
+class _Stepping:
+    def set_step(self, step: int) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
+
+
+class _Standby:
+    def __init__(self, dies_of: str | None = None) -> None:
+        self.dies_of, self.calls = dies_of, []
+
+    def take_over(self, owner, engines) -> None:
+        self.calls.append("take_over")
+        if self.dies_of is not None:
+            raise ComponentLost(self.dies_of, "its worker process has died")
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+
+
+def test_single_controller_gives_the_job_to_the_standby_or_starts_a_new_one(monkeypatch, tmp_path):
+    import rollout_recovery.api as api
+
+    made: list[tuple] = []
+    monkeypatch.setattr(api, "init_ray", lambda *a, **k: None)
+    monkeypatch.setattr(api, "ActorProxy", lambda *a, **k: made.append(a) or "new controller")
+    cfg, engines = _cfg(tmp_path, 2), _Engines()
+    live = _Standby()
+    assert api.SingleController(cfg, owner="o", engines=engines, standby=live) == (live, engines)
+    assert live.calls == ["take_over"] and made == [] and engines.calls == []
+    dead = _Standby(dies_of="controller")  # it died while idle: a new controller starts
+    got = api.SingleController(cfg, owner="o", engines=engines, standby=dead)
+    assert got == ("new controller", engines) and dead.calls == ["take_over", "kill"]
+    assert len(made) == 1 and engines.calls == []
+    failed = _Standby(dies_of="store shard")  # its start failed: as a new controller's would
+    with pytest.raises(ComponentLost, match="store shard"):
+        api.SingleController(cfg, owner="o", engines=engines, standby=failed)
+    assert engines.calls == ["stop"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "wants", "step", "started"),
+    [
+        ([], True, 3, True),
+        ([], True, 2, True),  # not at the first step after a start at step 2, at the next
+        ([], False, 3, False),  # outside keep_running, or no restore left
+        (["failover.standby_controller=false"], True, 3, False),
+        (["failover.keep_engines=false"], True, 3, False),
+    ],
+)
+def test_the_standby_starts_after_a_step_where_a_restore_could_use_it(
+    monkeypatch, tmp_path, overrides, wants, step, started
+):
+    import rollout_recovery.run as run_module
+
+    made: list[tuple] = []
+    monkeypatch.setattr(run_module, "Standby", lambda *a: made.append(a) or _Standby())
+    run = TrainingRun.__new__(TrainingRun)
+    run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}", *overrides])
+    run.start_step, run.standby, run.wants_standby, run.ray_address = 2, None, wants, "local"
+    run._notices, run._weights_due, run.rollouts = _Checked(), False, _Stepping()
+    run.begin_step(step)
+    run.begin_step(step + 1)  # one standby per run (the later step starts one where wanted)
+    assert len(made) == (1 if started else 0)
+    assert (run.standby is not None) == started
