@@ -20,6 +20,9 @@
     serving and the store's puts competing for the same process and cores. With ~100 cuts a
     run, p99 is close to the max.
 
+`--model qwen3` runs (a) and (d) on tiny://qwen3 (Qwen's 151k vocabulary) instead of the tiny
+Llama; (b) and (c) are synthetic (token ids up to 150k) and the same on both.
+
 `--quick` skips (a) (its on/off ratio needs several long interleaved rounds to mean
 anything) and shortens (b) and (d): about a minute here.
 """
@@ -236,9 +239,9 @@ async def bench_decode(args) -> dict:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rollout_recovery.tiny_model import ensure_tiny_model
+    from rollout_recovery.tiny_model import ensure_tiny_model, tiny_spec
 
-    model = str(ensure_tiny_model())
+    model = str(ensure_tiny_model(spec=tiny_spec(args.model)))
     engine_args = AsyncEngineArgs(
         model=model,
         dtype="float32",
@@ -444,11 +447,14 @@ def bench_live(args) -> dict:
     from rollout_recovery.data_plane import StagingStore
     from rollout_recovery.generation import WorkerPool
     from rollout_recovery.runtime import init_ray
-    from rollout_recovery.tiny_model import ensure_tiny_model
+    from rollout_recovery.tiny_model import ensure_tiny_model, tiny_spec
 
     cfg = load_config(
         REPO / "configs" / "grpo_tiny_cpu.yaml",
-        [f"policy.model_path={ensure_tiny_model()}", "token_capture.enabled=true"],
+        [
+            f"policy.model_path={ensure_tiny_model(spec=tiny_spec(args.model))}",
+            "token_capture.enabled=true",
+        ],
     )
     cfg.token_capture.max_inventory_calls = max(
         cfg.token_capture.max_inventory_calls, args.live_calls
@@ -498,6 +504,12 @@ def bench_live(args) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument(
+        "--model",
+        default="default",
+        choices=["default", "qwen3"],
+        help="the tiny model (a) and (d) run on: tiny://default or tiny://qwen3",
+    )
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds per mode")
@@ -519,6 +531,7 @@ def main() -> int:
         ap.set_defaults(skip_decode=True, cuts=10, read_repeats=50, live_tokens=320)
         args = ap.parse_args()
 
+    print(f"model: tiny://{args.model}", flush=True)
     decode = None if args.skip_decode else asyncio.run(bench_decode(args))
     gc.collect()
     locks = []

@@ -25,7 +25,8 @@ After each round the worker's background terminal writes are drained and the sta
 partition must be empty again (a finished call's chunk rows are deleted with its terminal row):
 "rows left" > 0 in any round makes the run fail (exit 1).
 
-`--quick`: one cycle, 96 tokens per call (a smoke run).
+`--model qwen3`: the worker serves tiny://qwen3 (Qwen's 151k vocabulary) instead of the tiny
+Llama. `--quick`: one cycle, 96 tokens per call (a smoke run).
 """
 
 from __future__ import annotations
@@ -206,6 +207,12 @@ def print_table(summary: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="where to write the results")
+    ap.add_argument(
+        "--model",
+        default="default",
+        choices=["default", "qwen3"],
+        help="the tiny model the worker serves: tiny://default or tiny://qwen3",
+    )
     ap.add_argument("--k", default="8,16,64,128", help="token log intervals (tokens) to compare")
     ap.add_argument("--disk-k", type=int, default=16,
                     help="K of the extra mode with the durable copy on (0: none)")  # fmt: skip
@@ -238,11 +245,14 @@ def main() -> int:
     from rollout_recovery.data_plane import StagingStore
     from rollout_recovery.generation import WorkerPool
     from rollout_recovery.runtime import init_ray
-    from rollout_recovery.tiny_model import ensure_tiny_model
+    from rollout_recovery.tiny_model import ensure_tiny_model, tiny_spec
 
     cfg = load_config(
         REPO / "configs" / "grpo_tiny_cpu.yaml",
-        [f"policy.model_path={ensure_tiny_model()}", "token_capture.enabled=true"],
+        [
+            f"policy.model_path={ensure_tiny_model(spec=tiny_spec(args.model))}",
+            "token_capture.enabled=true",
+        ],
     )
     partition = cfg.token_capture.staging_partition
     init_ray("local", num_cpus=4, log_to_driver=False)
@@ -252,6 +262,7 @@ def main() -> int:
         t = time.perf_counter()
         pool = WorkerPool.start(cfg, num_workers=1, store=store)
         startup_s = time.perf_counter() - t
+        print(f"model: tiny://{args.model}; worker started in {startup_s:.1f} s", flush=True)
         try:
             warmup = run_round(pool, store, args, modes[1 % len(modes)], "warmup", partition)
             for cycle in range(args.rounds):

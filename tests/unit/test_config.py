@@ -57,6 +57,11 @@ def test_shipped_configs_load_and_validate():
     assert levels["turn_recovery.yaml"] == "turn"
     gpu = load_config(REPO / "configs" / "grpo_gpu.yaml")
     assert gpu.vllm_cfg.device == "cuda" and gpu.vllm_cfg.kv_cache_memory_bytes is None
+    # A real Qwen3 on the GPU node and the tiny one here call tools the same way.
+    qwen = load_config(REPO / "configs" / "qwen3_prefix_cpu.yaml")
+    assert gpu.policy.model_path.startswith("hf://Qwen/Qwen3-")
+    assert qwen.policy.model_path == "tiny://qwen3" and levels["qwen3_prefix_cpu.yaml"] == "prefix"
+    assert qwen.vllm_cfg.tool_call_parser == gpu.vllm_cfg.tool_call_parser == "hermes"
 
 
 def test_extends_merges_base_under_file():
