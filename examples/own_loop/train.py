@@ -55,11 +55,20 @@ class Policy(torch.nn.Module):
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
     def weights(self) -> bytes:
-        state = {k: v.detach().contiguous() for k, v in self.lm.state_dict().items()}
+        # A tied output embedding (tiny://qwen3, small Qwen3s) is the input one: safetensors
+        # holds each tensor once, and vLLM ties them again on load.
+        skip = {"lm_head.weight"} if self.lm.config.tie_word_embeddings else set()
+        state = {k: v.detach().contiguous() for k, v in self.lm.state_dict().items()
+                 if k not in skip}  # fmt: skip
         return save_safetensors(state, metadata={"format": "pt"})
 
     def load_weights(self, data: bytes) -> None:
-        self.lm.load_state_dict(load_safetensors(data))
+        state = load_safetensors(data)
+        missing, unexpected = self.lm.load_state_dict(state, strict=False)
+        tied = ["lm_head.weight"] if self.lm.config.tie_word_embeddings else []
+        if unexpected or missing != tied:
+            raise ValueError(f"weights do not fit the model: missing {missing}, "
+                             f"unexpected {unexpected}")  # fmt: skip
 
 
 def make_tasks(n: int, seed: int) -> list[dict]:

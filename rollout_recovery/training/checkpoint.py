@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from rollout_recovery.training.policy import tied_names, unique_state
+
 STATE = "state.safetensors"
 TRAINER = "trainer.json"
 
@@ -24,7 +26,7 @@ TRAINER = "trainer.json"
 def state_files(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
     """The trainer's state as the files of a checkpoint."""
     names = {id(p): n for n, p in model.named_parameters()}
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"model.{k}": v for k, v in unique_state(model).items()}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
@@ -40,9 +42,14 @@ def load_state(
 ) -> None:
     """Restore model, optimizer and RNG in place from a checkpoint's (verified) files."""
     tensors = load_safetensors(files[STATE])
-    model.load_state_dict(
-        {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-    )
+    state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    want = set(model.state_dict()) - tied_names(model)  # a tied tensor under its first name
+    if set(state) != want:
+        raise ValueError(
+            f"the checkpoint's model state does not fit this model: missing "
+            f"{sorted(want - set(state))}, unexpected {sorted(set(state) - want)}"
+        )
+    model.load_state_dict(state, strict=False)
     params = dict(model.named_parameters())
     optimizer.state.clear()
     for key, value in tensors.items():
