@@ -901,6 +901,7 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
         "env": args.env,
         "train": str(args.train) if args.train else None,
         "config": config(args),
+        "extra_overrides": args.extra,
         "storage": args.storage,
         "fault": args.fault,
         "cuts": args.cuts,

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.checks import BROKEN, JOBS, Checks, Done
+from tests.functional.checks import BROKEN, JOBS, QWEN3, Checks, Done
 
 pytestmark = pytest.mark.engine
 
@@ -83,10 +83,12 @@ def broken(jobs) -> dict[str, Done]:
 
 
 def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefix_run):
-    """The same batches, losses equal, the final trainer checkpoint the same bytes as the
-    uninterrupted run's; the engines resumed every cut call; the kill's lost work measured."""
+    """On tiny://qwen3 (Qwen's real vocabulary): the same batches, losses equal, the final
+    trainer checkpoint the same bytes as the uninterrupted run's; the engines resumed every
+    cut call; the kill's lost work measured."""
     report = _report(prefix_run)
     assert report["violations"] == [] and report["env"] == "notes"
+    assert QWEN3 in report["extra_overrides"]
     assert [k["step"] for k in report["kills"]] == [0, 1]
     # Calls the token log had taken past their snapshot cut resumed from the token log's prefix
     # (the evidence check above held them to it).
@@ -165,11 +167,13 @@ def test_the_check_fails_when_committed_turns_are_decoded_again(broken):
 
 
 def test_an_openai_harness_through_the_gateway_recovers_with_parity(gateway_run):
-    """Killed with its harnesses mid-run; the restarted harnesses made the same calls: those
+    """On tiny://qwen3, its chat template rendering the harness's tool for the hermes parser:
+    killed with its harnesses mid-run; the restarted harnesses made the same calls: those
     already made were answered from the journal, the cut ones resumed, and the engines' own
     records show no committed call decoded again (a violation otherwise)."""
     report = _report(gateway_run)
     assert report["violations"] == [] and report["env"] == "gateway"
+    assert QWEN3 in report["extra_overrides"]
     assert report["restored_calls"] >= 2 and report["restored_prefix_tokens"] > 0
     assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
                for s in report["steps"])  # fmt: skip
