@@ -67,6 +67,18 @@ def test_hash_integers_match_scalar_reference():
     assert torch.equal(got, ref)
 
 
+def test_the_cpu_uint32_lanes_equal_the_int64_lanes_at_a_qwen_vocabulary():
+    """The CPU hash (numpy uint32, wrapping multiplies) and the int64 one a GPU runs agree on
+    every value, at Qwen's 151,936-row vocabulary."""
+    from rollout_recovery.generation.sampler import _hash_int64, _row_state
+
+    seeds = torch.tensor([as_int64_seed(s) for s in SEEDS for _ in POSITIONS])
+    pos = torch.tensor(POSITIONS * len(SEEDS))
+    cpu = murmur3_hash32(seeds, pos, 151_936)
+    assert cpu.dtype == torch.int64 and int(cpu.min()) >= 0 and int(cpu.max()) < 2**32
+    assert torch.equal(cpu, _hash_int64(_row_state(seeds, pos), 151_936))
+
+
 def test_noise_matches_scalar_reference():
     offsets = [0, 1, 2, 150, 298, 299]
     seeds = [s for s in SEEDS for _ in POSITIONS]
