@@ -630,7 +630,7 @@ class FailoverConfig(_Block):
     running one (from the second step `train` runs after each start), so that after the
     controller's death the restore does not wait for a new process to start and import the
     project (about 1.2 s of the 2-3 s such a restore takes on a small CPU node). It costs one
-    idle process."""
+    idle process (about 180 MB)."""
 
     settle_s: Float = Field(30.0, gt=0.0)
     """How long the restore that keeps the engines waits for the controller's call still
