@@ -26,6 +26,22 @@ def tiny_cfg(tiny_model_dir):
 
 
 @pytest.fixture(scope="session")
+def qwen3_model_dir() -> Path:
+    """tiny://qwen3 (Qwen's real vocabulary on tiny random weights), built once and cached."""
+    from rollout_recovery.tiny_model import ensure_tiny_model, tiny_spec
+
+    return ensure_tiny_model(spec=tiny_spec("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_cfg(qwen3_model_dir):
+    """The tiny job's config with tiny://qwen3 as the policy."""
+    from rollout_recovery.config import load_config
+
+    return load_config(TINY_CONFIG, [f"policy.model_path={qwen3_model_dir}"])
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     import ray
 

@@ -88,6 +88,16 @@ class CaptureDiagnostics:
             return dict(self.counts)
 
 
+def turn_closing(tokens: Sequence[int], finish: str | None, end: int | None) -> list[int]:
+    """The end-of-turn token a finished parent turn's tokens lack: one cut by the length limit,
+    or stopped by another end-of-sequence id (Qwen3's <|endoftext|>), a stop token or a stop
+    string, did not emit it, and the chat template closes its message with it, so a prefix
+    supplied from those tokens does too."""
+    if finish not in ("stop", "length") or end is None or (tokens and tokens[-1] == end):
+        return []
+    return [end]
+
+
 class ModelCallClient:
     def __init__(
         self,
@@ -146,11 +156,7 @@ class ModelCallClient:
         prefix = None
         if resolution.outcome == ParentResolution.RESOLVED and self.supply_prefix:
             parent_finish = self._finish.get((rollout_id, resolution.parent_call_id))
-            # A parent cut by the length limit did not emit its end of turn; the chat template
-            # closes its message with that token, so the prefix does too.
-            closing = []
-            if parent_finish == "length" and self.turn_end_token_id is not None:
-                closing = [self.turn_end_token_id]
+            closing = turn_closing(resolution.parent_tokens, parent_finish, self.turn_end_token_id)
             if parent_finish == "stop" or closing:  # its tokens continue exactly
                 prefix = [*resolution.parent_tokens, *closing]
                 request[PREFIX_FIELD] = prefix

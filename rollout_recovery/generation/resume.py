@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -87,6 +87,9 @@ class Resumer:
     call without decoding (no captured call will delete them with its terminal row). Fetching
     a continuation's chunks that takes longer than `fetch_timeout_s` is `store_unavailable`.
     `tokenizer` is the one the engine's detokenizers use (vllm_compat.output_tokenizer).
+    `generation_eos_ids`: the end-of-sequence ids the model's generation config adds to the
+    tokenizer's (Qwen3: `<|endoftext|>` beside `<|im_end|>`); vLLM makes them stop token ids
+    of every request that does not ignore EOS, after this layer sees the request.
     """
 
     def __init__(
@@ -98,6 +101,7 @@ class Resumer:
         retire: Callable[[list[str]], None] | None = None,
         fetch_timeout_s: float = 10.0,
         tokenizer: Any = None,
+        generation_eos_ids: Collection[int] = (),
     ) -> None:
         self.capture, self.store, self.partition = capture, store, partition
         self.fetch_timeout_s = fetch_timeout_s
@@ -107,6 +111,7 @@ class Resumer:
         self.pending: dict[str, tuple[Prefix, Any]] = {}  # external request id -> plan
         self.states: dict[str, ProgressReader] = {}  # external request id -> transplanted
         self.tokenizer = tokenizer
+        self.generation_eos_ids = frozenset(generation_eos_ids)
         capture.on_added = self._transplant
 
     def wrap(self, orig_generate: GenerateFn) -> GenerateFn:
@@ -208,6 +213,8 @@ class Resumer:
         k, min_tokens = len(ids), params.min_tokens or 0
         eos = None if params.ignore_eos else getattr(self.tokenizer, "eos_token_id", None)
         stop_ids = set(params.stop_token_ids or [])
+        if not params.ignore_eos:  # as SamplingParams.update_from_generation_config adds them
+            stop_ids |= self.generation_eos_ids - {eos}
 
         def stop_at(i: int) -> tuple[str, Any] | None:
             if i + 1 < min_tokens:

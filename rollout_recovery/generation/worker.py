@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +68,23 @@ class CaptureWiring:
     token_log: TokenLog
 
 
-def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker") -> CaptureWiring:
+def generation_eos_ids(engine: Any) -> frozenset[int]:
+    """The end-of-sequence ids the model's generation_config.json lists (Qwen3: `<|im_end|>`
+    and `<|endoftext|>`); vLLM stops a request on each of them unless it ignores EOS."""
+    listed = engine.model_config.try_get_generation_config().get("eos_token_id")
+    return frozenset([listed] if isinstance(listed, int) else listed or ())
+
+
+def wire_capture(
+    cfg: WorkerConfig,
+    store,
+    tokenizer: Any,
+    writer: str = "worker",
+    eos_ids: Collection[int] = (),
+) -> CaptureWiring:
     """Build the capture parts of a worker; `tokenizer` is the one its detokenizers use,
-    `writer` names its token log segments (docs/failover.md)."""
+    `writer` names its token log segments (docs/failover.md), `eos_ids` are the model's
+    generation-config end-of-sequence ids (`generation_eos_ids`)."""
     tc = cfg.token_capture
     if store is None:
         raise RuntimeError("token_capture.enabled needs a StagingStore: pass store=")
@@ -103,6 +118,7 @@ def wire_capture(cfg: WorkerConfig, store, tokenizer: Any, writer: str = "worker
         service.retire,
         fetch_timeout_s=tc.control_timeout_s,
         tokenizer=tokenizer,
+        generation_eos_ids=eos_ids,
     )
     token_log = TokenLog(service, tc.log_interval_tokens, tc.log_interval_s)
     router = make_control_router(service, tc.control_auth_token)
@@ -140,7 +156,8 @@ class GenerationWorker:
         wiring = None
         if self._cfg.token_capture.enabled:
             tokenizer = vllm_compat.output_tokenizer(engine)
-            wiring = wire_capture(self._cfg, self._store, tokenizer, self._writer())
+            eos_ids = generation_eos_ids(engine)
+            wiring = wire_capture(self._cfg, self._store, tokenizer, self._writer(), eos_ids)
             self._service, self._token_log = wiring.service, wiring.token_log
             self._wiring = wiring
             wiring.token_log.start()

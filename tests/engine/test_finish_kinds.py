@@ -3,22 +3,25 @@ answer, for every finish kind: stop string (one and several characters), stop to
 length. Cuts are placed one token before the finish, exactly at it, and one token past it, and
 a real terminal-completion cut (taken after the call finished, under a fence) is resumed too.
 What the engine did is counted, not inferred from the answer: tokens it decoded for the resumed
-call, answers given without decoding, refusals by reason.
+call, answers given without decoding, refusals by reason. Each case runs on both tiny models
+(tests/engine/two_models.py); on qwen3 also for its second end-of-sequence id, <|endoftext|>.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
+from collections.abc import Callable
 
 import httpx
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane.digest import chain_digests
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table
 from tests.engine.test_resume import _body, _chat
+from tests.engine.two_models import MODELS, ModelWorker
 
 pytestmark = pytest.mark.engine
 _ids = itertools.count()
@@ -62,18 +65,19 @@ def _delta(before: dict, after: dict, name: str) -> float:
     return after.get(name, 0) - before.get(name, 0)
 
 
-@pytest.fixture(scope="module")
-def references(capture_worker, tiny_model_dir):
-    """One reference per finish kind: (request fields, the stopped answer, the same call run
-    on past its stop condition)."""
-    worker, _ = capture_worker
-    url = worker.info.url
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    free = _chat(url, f"free-{next(_ids)}", ignore_eos=True)
+def _references(mw: ModelWorker) -> dict[str, tuple]:
+    """One reference per finish kind of the model: (vllm_xargs, other request fields, the
+    stopped answer, the same call run on past its stop condition)."""
+    url, tok = mw.url, mw.tokenizer
+    # Seeded temperature-1 sampling: greedy answers of these random models soon repeat one
+    # token, which leaves no new text to place a stop string on.
+    seeded = {"rr_seed": 11, "rr_temperature": 1.0}
+    free = _chat(url, f"free-{next(_ids)}", xargs=seeded, ignore_eos=True)
     ids = free["choices"][0]["token_ids"]
     text = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
     j = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # first occurrence
-    out = {"stop_token": ({"stop_token_ids": [ids[j]], "ignore_eos": True}, free)}
+    stop_id = {"vllm_xargs": seeded, "stop_token_ids": [ids[j]], "ignore_eos": True}
+    out = {"stop_token": (stop_id, free)}
     for name, width in (("stop_string_1", 1), ("stop_string_3", 3)):
         for i in range(3, len(ids)):  # a stop string ending with token i's text
             here, before = text[i + 1], text[i]
@@ -86,19 +90,28 @@ def references(capture_worker, tiny_model_dir):
                 and here.find(stop) == len(here) - width
             ):
                 continue  # fmt: skip
-            trial = _chat(url, f"try-{next(_ids)}", stop=[stop], ignore_eos=True)
+            trial = _chat(url, f"try-{next(_ids)}", xargs=seeded, stop=[stop], ignore_eos=True)
             if len(trial["choices"][0]["token_ids"]) == i + 1:  # it stops right there
-                out[name] = ({"stop": [stop], "ignore_eos": True}, free)
+                out[name] = ({"vllm_xargs": seeded, "stop": [stop], "ignore_eos": True}, free)
                 break
-    out["length"] = ({"max_tokens": 12, "ignore_eos": True}, free)
-    for seed in range(200):  # a seeded temperature-1 call that ends on EOS
-        xargs = {"rr_seed": seed, "rr_temperature": 1.0}
-        ref = _chat(url, f"eos-{next(_ids)}", xargs=xargs, max_tokens=64)
-        if ref["choices"][0]["finish_reason"] == "stop" and len(ref["choices"][0]["token_ids"]) > 1:
-            past = _chat(url, f"eosp-{next(_ids)}", xargs=xargs, max_tokens=64, ignore_eos=True)
-            out["eos"] = ({"vllm_xargs": xargs, "max_tokens": 64}, past)
-            break
-    assert set(out) == {"stop_token", "stop_string_1", "stop_string_3", "length", "eos"}, out
+    out["length"] = ({"vllm_xargs": seeded, "max_tokens": 12, "ignore_eos": True}, free)
+    # A seeded temperature-1 call that ends on each end-of-sequence id. Random weights spread
+    # qwen3's draws over 151,936 rows, so an EOS is made likely (about e^-3 of the draws).
+    bias = math.log(len(tok)) - 3
+    for name, eos in zip(("eos", "second_eos"), mw.eos_token_ids, strict=False):
+        fields = {"max_tokens": 64, "logit_bias": {str(eos): bias}}
+        for seed in range(200):
+            xargs = {"rr_seed": seed, "rr_temperature": 1.0}
+            ref = _chat(url, f"eos-{next(_ids)}", xargs=xargs, **fields)["choices"][0]
+            if (
+                ref["finish_reason"] == "stop"
+                and ref["token_ids"][-1] == eos
+                and len(ref["token_ids"]) > 1
+            ):
+                past = _chat(url, f"eosp-{next(_ids)}", xargs=xargs, ignore_eos=True, **fields)
+                out[name] = ({"vllm_xargs": xargs, **fields}, past)
+                break
+    assert set(out) == set(KINDS_OF[mw.name]), out
     refs = {}
     for name, (fields, past) in out.items():
         xargs = fields.get("vllm_xargs")
@@ -109,13 +122,31 @@ def references(capture_worker, tiny_model_dir):
     return refs
 
 
+@pytest.fixture(scope="module")
+def references_of() -> Callable[[ModelWorker], dict[str, tuple]]:
+    """A model's references (`_references`), built by its first test in this module."""
+    built: dict[str, dict[str, tuple]] = {}
+
+    def get(mw: ModelWorker) -> dict[str, tuple]:
+        if mw.name not in built:
+            built[mw.name] = _references(mw)
+        return built[mw.name]
+
+    return get
+
+
 KINDS = ("stop_string_1", "stop_string_3", "stop_token", "eos", "length")
+# qwen3's generation_config.json lists a second end-of-sequence id, <|endoftext|>, which vLLM
+# adds to the stop token ids of every request that does not ignore EOS (stop_reason: the id).
+KINDS_OF = {"tiny": KINDS, "qwen3": (*KINDS, "second_eos")}
+CASES = [pytest.param(m, k, id=f"{m}-{k}") for m in MODELS for k in KINDS_OF[m]]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_cut_one_token_before_the_finish_decodes_one_token(capture_worker, references, kind):
-    worker, store = capture_worker
-    xargs, rest, ref, _ = references[kind]
+@pytest.mark.parametrize(("model", "kind"), CASES)
+def test_cut_one_token_before_the_finish_decodes_one_token(worker_of, references_of, model, kind):
+    mw = worker_of(model)
+    worker, store = mw.worker, mw.store
+    xargs, rest, ref, _ = references_of(mw)[kind]
     ids, lps = ref["choices"][0]["token_ids"], _lps(ref)
     rollout = f"before-{kind}-{next(_ids)}"
     cont = _stage(store, rollout, ref, ids[:-1], lps[:-1])
@@ -128,10 +159,13 @@ def test_cut_one_token_before_the_finish_decodes_one_token(capture_worker, refer
     assert _delta(before, after, "resume.finished_without_decoding") == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_cut_exactly_at_the_finish_is_answered_without_decoding(capture_worker, references, kind):
-    worker, store = capture_worker
-    xargs, rest, ref, _ = references[kind]
+@pytest.mark.parametrize(("model", "kind"), CASES)
+def test_cut_exactly_at_the_finish_is_answered_without_decoding(
+    worker_of, references_of, model, kind
+):
+    mw = worker_of(model)
+    worker, store = mw.worker, mw.store
+    xargs, rest, ref, _ = references_of(mw)[kind]
     rollout = f"exact-{kind}-{next(_ids)}"
     cont = _stage(store, rollout, ref, ref["choices"][0]["token_ids"], _lps(ref))
     before = _metrics(worker)
@@ -145,12 +179,13 @@ def test_cut_exactly_at_the_finish_is_answered_without_decoding(capture_worker, 
     assert store.list("rollout_staging", f"{rollout}/") == []
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_prefix_one_token_past_the_finish_is_refused(capture_worker, references, kind):
+@pytest.mark.parametrize(("model", "kind"), CASES)
+def test_a_prefix_one_token_past_the_finish_is_refused(worker_of, references_of, model, kind):
     """Such a prefix cannot have come from this call: resuming it would train on tokens the
     uninterrupted call never produced. It is refused and the call is decoded from scratch."""
-    worker, store = capture_worker
-    xargs, rest, ref, past = references[kind]
+    mw = worker_of(model)
+    worker, store = mw.worker, mw.store
+    xargs, rest, ref, past = references_of(mw)[kind]
     n = len(ref["choices"][0]["token_ids"])
     assert past["choices"][0]["token_ids"][:n] == ref["choices"][0]["token_ids"]
     rollout = f"past-{kind}-{next(_ids)}"
@@ -165,13 +200,16 @@ def test_a_prefix_one_token_past_the_finish_is_refused(capture_worker, reference
     assert _delta(before, after, "resume.resumed") == 0
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_terminal_completion_cut_resumes_from_its_finish_record(capture_worker, references, kind):
+@pytest.mark.parametrize(("model", "kind"), CASES)
+def test_a_terminal_completion_cut_resumes_from_its_finish_record(
+    worker_of, references_of, model, kind
+):
     """Cut after the call finished (its terminal row held back by a fence, as during a
     checkpoint): the receipt is a terminal completion of the whole answer, and a resume from
     it returns that answer without decoding. Afterwards no chunk row of the call is left."""
-    worker, store = capture_worker
-    xargs, rest, ref, _ = references[kind]
+    mw = worker_of(model)
+    worker, store = mw.worker, mw.store
+    xargs, rest, ref, _ = references_of(mw)[kind]
     rollout = f"term-{kind}-{next(_ids)}"
     url = worker.info.url
     epoch = _next_epoch(worker)

@@ -2,7 +2,8 @@
 process (rollout_recovery/episodes/openai_harness.py: plain and streamed calls, a calculator
 tool offered with tool_choice="auto") runs a 3-turn episode through its rollout's base URL;
 checkpointed after its first call and restored into a fresh environment, the restarted harness
-makes the same calls and the first one is answered from the journal, not decoded."""
+makes the same calls and the first one is answered from the journal, not decoded. Both tests
+run on both tiny models (tests/engine/two_models.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import pytest
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.generation.pool import WorkerPool
 from tests.engine.test_rollout_environment import _call_in_flight, _wait
+from tests.engine.two_models import MODELS
 
 pytestmark = pytest.mark.engine
 TASK = {"messages": [{"role": "user", "content": "Add the numbers 12 34 56"}]}
 TOKEN = "gateway-test-token"
 
 
-def _cfg(tiny_cfg):
-    cfg = tiny_cfg.model_copy(deep=True)
+def _cfg(base):
+    cfg = base.model_copy(deep=True)
     cfg.environment.max_turns = 3
     cfg.environment.episode = "rollout_recovery.episodes.harness:episode"
     cfg.token_capture.enabled = True
@@ -45,9 +47,11 @@ def _post(url: str, rollout: str, token: str = TOKEN) -> httpx.Response:
                       headers={"Authorization": f"Bearer {token}"}, timeout=30)  # fmt: skip
 
 
-def test_a_restarted_harness_gets_its_committed_call_from_the_journal(capture_worker, tiny_cfg):
-    worker, store = capture_worker
-    cfg = _cfg(tiny_cfg)
+@pytest.mark.parametrize("model", MODELS)
+def test_a_restarted_harness_gets_its_committed_call_from_the_journal(worker_of, model):
+    mw = worker_of(model)
+    worker, store = mw.worker, mw.store
+    cfg = _cfg(mw.cfg)
     reference, url = _env(cfg, worker, store)
     [(ref_row, _, ref_result)] = reference.run_groups([("gref", TASK)], [[3]], 0)
     store.delete("replay", [ref_row.key])
@@ -117,12 +121,14 @@ def _harness_outside(url: str, group: str, crash_after_first: bool = False):
     return opened, raw.headers["x-rollout-recovery-source"], done.json()
 
 
-def test_a_standalone_gateway_serves_outside_harnesses_across_a_restore(capture_worker, tiny_cfg):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_standalone_gateway_serves_outside_harnesses_across_a_restore(worker_of, model):
     """Rollouts opened, served, finished and leased over HTTP; a harness whose job died after
     its first call opens its rollout again after the restore and gets that call from the
     journal (same answer, not decoded), then finishes with the uninterrupted run's row."""
-    worker, store = capture_worker
-    cfg = _cfg(tiny_cfg)
+    mw = worker_of(model)
+    worker, store = mw.worker, mw.store
+    cfg = _cfg(mw.cfg)
     cfg.environment.reward = "rollout_recovery.episodes.tally:reward"
     auth = {"Authorization": f"Bearer {TOKEN}"}
     reference = RolloutEnvironment(cfg, WorkerPool([worker]), store)

@@ -1,19 +1,24 @@
-"""Resuming restored calls from staged prefixes: the response equals the uninterrupted one."""
+"""Resuming restored calls from staged prefixes: the response equals the uninterrupted one.
+
+The tests where the vocabulary matters (characters split across tokens, stop strings, special
+tokens, embedding rows past the tokenizer, tool-call tags) run on both tiny models
+(tests/engine/two_models.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import json
+import math
 
 import httpx
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
 
 from rollout_recovery.data_plane.digest import chain_digests
 from rollout_recovery.data_plane.schemas import ChunkRow, chunk_rows_to_table, table_to_chunk_rows
 from tests.engine.evidence import assert_from_scratch, assert_resumed, attempt_record
+from tests.engine.two_models import MODELS, split_character, split_sampling, splits_inside
 
 pytestmark = pytest.mark.engine
 _ids = itertools.count()
@@ -97,19 +102,15 @@ def _same(resumed: dict, reference: dict) -> None:
     ]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def _metrics(worker) -> dict:
     return worker.capture_metrics()
 
 
 @pytest.mark.parametrize("prompt", list(PROMPTS))
-def test_resume_at_first_middle_and_inside_a_character(capture_worker, tok, prompt):
-    worker, store = capture_worker
-    url = worker.info.url
+@pytest.mark.parametrize("model", MODELS)
+def test_resume_at_first_middle_and_inside_a_character(worker_of, model, prompt):
+    mw = worker_of(model)
+    worker, store, tok, url = mw.worker, mw.store, mw.tokenizer, mw.url
     ref = _chat(url, f"ref-{prompt}-{next(_ids)}", content=PROMPTS[prompt], ignore_eos=True)
     ids = ref["choices"][0]["token_ids"]
     inside = [k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd")]
@@ -123,9 +124,60 @@ def test_resume_at_first_middle_and_inside_a_character(capture_worker, tok, prom
     assert any(tok.decode(ids[:k]).endswith("\ufffd") for k in points) or not inside
 
 
-def test_resume_with_a_stop_string_spanning_the_cut(capture_worker, tok):
-    worker, store = capture_worker
-    url = worker.info.url
+@pytest.mark.parametrize("skip_special", [True, False])
+@pytest.mark.parametrize("model", MODELS)
+def test_resume_between_the_pieces_of_a_split_character(worker_of, model, skip_special):
+    """Greedy answers of these random models repeat whole tokens, and qwen3's vocabulary holds
+    most characters whole: a seeded call drawn toward the pieces of a character the tokenizer
+    splits (and a special token) puts cuts between the pieces of one character, after pieces
+    no character completes, and next to a special token with such bytes pending. Resumed
+    there, the call gives the uninterrupted tokens, text and logprobs and decodes only its
+    tail, with special tokens dropped from the text or kept."""
+    mw = worker_of(model)
+    worker, store, tok, url = mw.worker, mw.store, mw.tokenizer, mw.url
+    char, pieces = split_character(tok)
+    xargs, fields = split_sampling(tok, seed=3)
+    fields |= {"ignore_eos": True, "skip_special_tokens": skip_special}
+    ref = _chat(url, f"split-ref-{next(_ids)}", xargs=xargs, **fields)
+    ids = ref["choices"][0]["token_ids"]
+    assert char in ref["choices"][0]["message"]["content"]
+    splits = splits_inside(ids, pieces)
+    text = [tok.decode(ids[:k], skip_special_tokens=True) for k in range(len(ids))]
+    pending = [k for k in range(1, len(ids)) if text[k].endswith("\ufffd")]  # bytes held back
+    others = sorted(set(pending) - set(splits))
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    beside = [k for k in pending if special in ids[k - 1 : k + 1]]  # last or next token
+    assert splits and others and beside, (splits, others, beside)
+    for k in sorted({splits[0], splits[-1], *others[:2], *beside[:2]}):
+        rollout = f"split-res-{k}-{next(_ids)}"
+        cont = _stage(store, rollout, ref, k, split=k // 2)
+        _same(_chat(url, rollout, 1, xargs | cont, **fields), ref)
+        assert_resumed(worker, rollout, 1, k, len(ids))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_resume_with_a_stop_string_split_inside_a_character(worker_of, model):
+    """The stop string is a whole character whose pieces the cut separates: the prefix's text
+    does not hold it yet, the tail's first piece completes it, and the call stops there."""
+    mw = worker_of(model)
+    worker, store, tok, url = mw.worker, mw.store, mw.tokenizer, mw.url
+    char, pieces = split_character(tok)
+    xargs, fields = split_sampling(tok, seed=3)
+    ref = _chat(url, f"cstop-ref-{next(_ids)}", xargs=xargs, stop=[char], **fields)
+    ids = ref["choices"][0]["token_ids"]
+    assert (ref["choices"][0]["finish_reason"], ref["choices"][0]["stop_reason"]) == ("stop", char)
+    assert ids[-len(pieces) :] == pieces  # the character's last piece stopped it
+    for k in range(len(ids) - len(pieces) + 1, len(ids)):
+        rollout = f"cstop-res-{k}-{next(_ids)}"
+        cont = _stage(store, rollout, ref, k)
+        _same(_chat(url, rollout, 1, xargs | cont, stop=[char], **fields), ref)
+        assert_resumed(worker, rollout, 1, k, len(ids))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_resume_with_a_stop_string_spanning_the_cut(worker_of, model):
+    mw = worker_of(model)
+    worker, store, tok, url = mw.worker, mw.store, mw.tokenizer, mw.url
     base = _chat(url, f"stop-base-{next(_ids)}", ignore_eos=True, max_tokens=48)
     ids = base["choices"][0]["token_ids"]
     texts = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
@@ -151,9 +203,10 @@ def test_resume_with_a_stop_string_spanning_the_cut(capture_worker, tok):
     assert_resumed(worker, rollout, 1, j, j + 1)
 
 
-def test_resume_honours_min_tokens_and_a_finished_prefix(capture_worker):
-    worker, store = capture_worker
-    url = worker.info.url
+@pytest.mark.parametrize("model", MODELS)
+def test_resume_honours_min_tokens_and_a_finished_prefix(worker_of, model):
+    mw = worker_of(model)
+    worker, store, url = mw.worker, mw.store, mw.url
     ref = _chat(url, f"min-ref-{next(_ids)}", min_tokens=20, max_tokens=32)
     rollout = f"min-res-{next(_ids)}"
     cont = _stage(store, rollout, ref, 5)
@@ -169,9 +222,10 @@ def test_resume_honours_min_tokens_and_a_finished_prefix(capture_worker):
     assert assert_resumed(worker, full, 1, n, n)["finish_reason"] == "length"
 
 
-def test_frequency_penalty_is_emulated_exactly(capture_worker):
-    worker, store = capture_worker
-    url = worker.info.url
+@pytest.mark.parametrize("model", MODELS)
+def test_frequency_penalty_is_emulated_exactly(worker_of, model):
+    mw = worker_of(model)
+    worker, store, url = mw.worker, mw.store, mw.url
     ref = _chat(url, f"fp-ref-{next(_ids)}", ignore_eos=True, frequency_penalty=0.7)
     plain = _chat(url, f"fp-plain-{next(_ids)}", ignore_eos=True)
     assert ref["choices"][0]["token_ids"] != plain["choices"][0]["token_ids"]  # it matters
@@ -183,24 +237,32 @@ def test_frequency_penalty_is_emulated_exactly(capture_worker):
         assert_resumed(worker, rollout, 1, k, len(ref["choices"][0]["token_ids"]))
 
 
-def test_seeded_temperature_one_sampling_resumes_exactly(capture_worker):
-    worker, store = capture_worker
-    url = worker.info.url
+@pytest.mark.parametrize("model", MODELS)
+def test_seeded_temperature_one_sampling_resumes_exactly(worker_of, model):
+    """The sampler draws over every embedding row; qwen3 has rows past its tokenizer (decoded
+    to ''), one of which is made likely here and must survive a cut right after it."""
+    mw = worker_of(model)
+    worker, store, url = mw.worker, mw.store, mw.url
     seeded = {"rr_seed": 1234, "rr_temperature": 1.0}
-    ref = _chat(url, f"pk-ref-{next(_ids)}", xargs=seeded, ignore_eos=True)
-    other = _chat(url, f"pk-other-{next(_ids)}", xargs={"rr_seed": 99}, ignore_eos=True)
-    assert other["choices"][0]["token_ids"] != ref["choices"][0]["token_ids"]
-    for k in (1, 17):
+    past = mw.ids_past_tokenizer[-1:]  # qwen3: [151935]; tiny: none
+    bias = {"logit_bias": {str(i): math.log(len(mw.tokenizer)) for i in past}}
+    ref = _chat(url, f"pk-ref-{next(_ids)}", xargs=seeded, ignore_eos=True, **bias)
+    other = _chat(url, f"pk-other-{next(_ids)}", xargs={"rr_seed": 99}, ignore_eos=True, **bias)
+    ids = ref["choices"][0]["token_ids"]
+    assert other["choices"][0]["token_ids"] != ids
+    assert all(i in ids for i in past)
+    for k in sorted({1, 17, *(ids.index(i) + 1 for i in past)}):
         rollout = f"pk-res-{k}-{next(_ids)}"
         cont = _stage(store, rollout, ref, k)
-        _same(_chat(url, rollout, attempt=1, xargs=seeded | cont, ignore_eos=True), ref)
-        assert_resumed(worker, rollout, 1, k, len(ref["choices"][0]["token_ids"]))
+        _same(_chat(url, rollout, attempt=1, xargs=seeded | cont, ignore_eos=True, **bias), ref)
+        assert_resumed(worker, rollout, 1, k, len(ids))
 
 
-def test_a_real_cut_survives_the_caller_going_away(capture_worker):
+@pytest.mark.parametrize("model", MODELS)
+def test_a_real_cut_survives_the_caller_going_away(worker_of, model):
     """Cut a call in flight, drop the caller (as a crash would), resume from the receipt."""
-    worker, _ = capture_worker
-    url = worker.info.url
+    mw = worker_of(model)
+    worker, store, url = mw.worker, mw.store, mw.url
     ref = _chat(url, f"live-ref-{next(_ids)}", ignore_eos=True, max_tokens=400)
     rollout = f"live-{next(_ids)}"
 
@@ -241,9 +303,9 @@ def test_a_real_cut_survives_the_caller_going_away(capture_worker):
     assert first["resume"] == "none" and first["decoded_tokens"] >= call["prefix_token_count"]
     # Once the resumed call's terminal row is staged, the old attempt's chunks are deleted.
     worker.drain()
-    _, missing = capture_worker[1].get("rollout_staging", call["staging_keys"])
+    _, missing = store.get("rollout_staging", call["staging_keys"])
     assert missing == call["staging_keys"]
-    assert not capture_worker[1].get("rollout_terminal", [f"{rollout}/c0/a1/terminal"])[1]
+    assert not store.get("rollout_terminal", [f"{rollout}/c0/a1/terminal"])[1]
 
 
 def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
@@ -282,15 +344,20 @@ def test_bad_continuations_fail_closed_and_regenerate(capture_worker):
     assert worker.health().healthy
 
 
-def test_a_streamed_resume_delivers_the_whole_completion(capture_worker):
-    """The caller of a resumed call never saw the prefix: the stream must carry all of it."""
-    worker, store = capture_worker
-    url = worker.info.url
-    ref = _chat(url, f"stream-ref-{next(_ids)}", content=PROMPTS["symbols"], ignore_eos=True)
+@pytest.mark.parametrize("model", MODELS)
+def test_a_streamed_resume_delivers_the_whole_completion(worker_of, model):
+    """The caller of a resumed call never saw the prefix: the stream must carry all of it,
+    here with the cut between two pieces of one character (the prefix's text ends short of
+    it, and the tail's first delta completes it)."""
+    mw = worker_of(model)
+    worker, store, url = mw.worker, mw.store, mw.url
+    xargs, fields = split_sampling(mw.tokenizer, seed=5)
+    fields |= {"content": PROMPTS["symbols"], "ignore_eos": True}
+    ref = _chat(url, f"stream-ref-{next(_ids)}", xargs=xargs, **fields)
     rollout = f"stream-res-{next(_ids)}"
-    k = 9
-    cont = _stage(store, rollout, ref, k, split=4)
-    body = _body(rollout, 1, cont, content=PROMPTS["symbols"], ignore_eos=True, stream=True)
+    k = splits_inside(ref["choices"][0]["token_ids"], split_character(mw.tokenizer)[1])[0]
+    cont = _stage(store, rollout, ref, k, split=k // 2)
+    body = _body(rollout, 1, xargs | cont, stream=True, **fields)
     ids, text, lps = [], "", []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
         assert resp.status_code == 200
@@ -350,6 +417,77 @@ def test_a_prefix_without_logprobs_is_refused_and_regenerated(capture_worker):
     assert after.get(name, 0) == before.get(name, 0) + 1
     n = len(ref["choices"][0]["token_ids"])
     assert_from_scratch(worker, rollout, 1, "prefix_without_logprobs", n)
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+
+def _streamed(url: str, body: dict) -> tuple[list[int], dict, str | None]:
+    """(token ids, the tool call its deltas assemble to, the finish reason) of a stream."""
+    ids, call, finish = [], {"name": "", "arguments": ""}, None
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line.removeprefix("data: ")).get("choices", []):
+                ids += choice.get("token_ids") or []
+                for delta in (choice.get("delta") or {}).get("tool_calls") or []:
+                    for key in call:
+                        call[key] += (delta.get("function") or {}).get(key) or ""
+                finish = choice.get("finish_reason") or finish
+    return ids, call, finish
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_prefix_that_ended_on_a_tool_call_is_answered_with_it(worker_of, model):
+    """A call that finished on a tool call, cut before its caller had the answer: resumed from
+    its tokens (EOS last) it decodes nothing and returns the tool call the hermes parser reads
+    from the prefix's text, plain and streamed. In qwen3's vocabulary <tool_call> is one added
+    token that is not special (it stays in the text) and <|im_end|> a special one (left out);
+    in tiny's both are plain bytes but the EOS. Random weights never write a tool call, and a
+    grammar would make the call uncuttable, so the tokens are staged as the model's."""
+    mw = worker_of(model)
+    worker, store, tok, url = mw.worker, mw.store, mw.tokenizer, mw.url
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    fields = {"tools": TOOLS, "tool_choice": "auto", "max_tokens": len(ids) + 16}
+    prompt = _chat(url, f"tool-prompt-{next(_ids)}", **(fields | {"max_tokens": 1}))
+    lps = [-0.5 - i / 64 for i in range(len(ids))]
+    entries = [{"logprob": lp} for lp in lps]
+    done = {"choices": [{"token_ids": ids, "logprobs": {"content": entries}}],
+            "prompt_token_ids": prompt["prompt_token_ids"]}  # fmt: skip
+    for stream in (False, True):
+        rollout = f"tool-res-{stream}-{next(_ids)}"
+        cont = _stage(store, rollout, done, len(ids), split=len(ids) // 2)
+        before = _metrics(worker)
+        if stream:
+            got_ids, call, finish = _streamed(url, _body(rollout, 1, cont, stream=True, **fields))
+        else:
+            choice = _chat(url, rollout, 1, cont, **fields)["choices"][0]
+            [tool_call] = choice["message"]["tool_calls"]
+            assert not choice["message"]["content"]
+            assert [c["logprob"] for c in choice["logprobs"]["content"]] == pytest.approx(lps)
+            got_ids, call = choice["token_ids"], tool_call["function"]
+            finish = choice["finish_reason"]
+        assert (got_ids, finish) == (ids, "tool_calls")
+        assert (call["name"], json.loads(call["arguments"])) == ("add", {"a": 2, "b": 3})
+        name = "resume.finished_without_decoding"
+        assert _metrics(worker)[name] == before.get(name, 0) + 1
+        assert_resumed(worker, rollout, 1, len(ids), len(ids))
 
 
 def test_booleans_are_not_numbers_in_call_identities_and_continuations(capture_worker):

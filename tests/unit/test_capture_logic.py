@@ -348,6 +348,32 @@ async def test_a_valid_continuation_resumes_with_the_staged_prefix():
     assert _verdict(worker, identity.rollout_id) == ("resumed", None)
 
 
+@pytest.mark.parametrize(
+    ("eos_ids", "ignore_eos", "outcome"),
+    [
+        ({36}, False, ("stop", 36)),  # ends on it: answered as vLLM would, without decoding
+        ({36}, True, None),  # a call that ignores EOS goes on past it
+        ({33}, False, "prefix_past_stop"),  # holds it before its end: not from this call
+    ],
+)
+async def test_a_generation_config_eos_ends_a_prefix_as_a_stop_token(eos_ids, ignore_eos, outcome):
+    """Qwen3's generation config lists <|endoftext|> beside the tokenizer's <|im_end|>; vLLM
+    stops a request on it as a stop token id, so a prefix ending on it has finished and one
+    holding it earlier cannot have come from the call (tests/engine/test_finish_kinds.py runs
+    the same on tiny://qwen3)."""
+    worker = Worker()
+    worker.resumer.generation_eos_ids = frozenset(eos_ids)
+    identity, extra = await _staged(worker, IDS, LPS, split=2)
+    params = _params(CallIdentity(identity.rollout_id, "c0", 1))
+    params.ignore_eos = ignore_eos
+    prefix = await worker.resumer._prepare({"prompt_token_ids": PROMPT}, params, extra)
+    if outcome == "prefix_past_stop":
+        assert prefix is None
+        assert _verdict(worker, identity.rollout_id) == ("refused", outcome)
+    else:
+        assert prefix is not None and prefix.done == outcome
+
+
 def _tampered_digest(worker: Worker, identity: CallIdentity, extra: dict) -> dict:
     return extra | {RESUME_DIGEST_ARG: "00" * 32}
 
