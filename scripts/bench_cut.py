@@ -147,6 +147,7 @@ def make_call(name: str, n_tokens: int, rng: np.random.Generator, flat: bool = T
     state = SimpleNamespace(
         detokenizer=_Detok(ids),
         logprobs_processor=SimpleNamespace(logprobs=make_logprobs(flat, ids, lps)),
+        weight_version_starts=[("0", 0)],  # every token sampled on weight version 0
     )
     return CapturedCall(
         identity=CallIdentity(name, "c0", 0),
