@@ -298,7 +298,7 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             n, ledger = count(args, uris[-1]) if uris else (0, {})
         except Exception:
             return None
-        if n < args.cuts or ledger["step"] < min_step:
+        if n < args.cuts or not restorable(ledger, min_step, args.steps):
             return None
         return {"snapshot": uris[-1], "recoverable_cuts": n, "step": ledger["step"],
                 "ledger": ledger}  # fmt: skip
@@ -368,6 +368,13 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     chosen["pids_not_ours"] = foreign  # reused by another's process: left alone
     chosen["finished_keys"] = sorted(snapshot_keys(chosen["snapshot"], "replay"))
     return chosen
+
+
+def restorable(ledger: dict, min_step: int, last_step: int) -> bool:
+    """Whether a kill after the snapshot of `ledger` leaves a restore something to do: of step
+    >= min_step, and before the run's last (a restore of the final trainer checkpoint's
+    snapshot only says the run already finished its steps, run_plan.py: the run is ending)."""
+    return min_step <= ledger["step"] < last_step
 
 
 def note(foreign: dict[int, str], pids: list[int]) -> None:

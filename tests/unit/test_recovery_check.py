@@ -227,3 +227,12 @@ def test_the_two_owner_check_sees_every_write_under_the_run(tmp_path):
                           "token_log": ["token_log/w0/000.arrow"]}  # fmt: skip
     assert w["logs"] == {"steps.jsonl": {"appended": 1, "rewritten": False},
                          "checkpoints.jsonl": {"appended": 0, "rewritten": True}}  # fmt: skip
+
+
+def test_a_kill_is_never_chosen_after_the_runs_final_trainer_checkpoint():
+    """A kill after the final trainer checkpoint leaves nothing to restore (the restore says
+    the run finished its steps and exits 1): it is the run ending, not a kill chance."""
+    assert rc.restorable({"step": 3, "reason": "cadence"}, 1, 4)
+    assert rc.restorable({"step": 3, "reason": "trainer_checkpoint"}, 1, 4)
+    assert not rc.restorable({"step": 4, "reason": "trainer_checkpoint"}, 1, 4)
+    assert not rc.restorable({"step": 0, "reason": "cadence"}, 1, 4)
