@@ -42,18 +42,13 @@ NOTES = ["--env", "notes", "--cuts", "2"]
 # even a kill soon after its snapshot finds token log rows past the cut.
 PREFIX = [*NOTES, "--steps", "2", "--level", "prefix", "--max-tokens", "128", "--kills", "2",
           "token_capture.log_interval_tokens=2"]  # fmt: skip
-# The gateway check (prefix level, a harness with a tool through the chat template) runs on
-# tiny://qwen3 (Qwen's real vocabulary, tied embeddings; docs/models.md), the others on the
-# tiny Llama. The notes prefix check passes on tiny://qwen3 too, but took 13 min of the suite
-# there (its sampler works over 151,936 rows per token), against the 30 min budget.
-QWEN3 = "policy.model_path=tiny://qwen3"
 # Three steps of 192-token turns: a kill may land in step 1 or 2, and each step's generation
 # outlasts a snapshot on the S3 server even with the four checks sharing two cores (a snapshot
 # there took 4-7 s; with 96-token turns a step's generation ended after its first snapshot,
 # which held no committed turn, so the kill never came).
 TURN = [*NOTES, "--level", "turn", "--max-tokens", "192", "--steps", "3"]
 GATEWAY = ["--env", "gateway", "--level", "prefix", "--steps", "3", "--max-tokens", "128",
-           "--cuts", "2", QWEN3]  # fmt: skip
+           "--cuts", "2"]  # fmt: skip
 # Two groups of 4 calls a step; three steps, so a kill that missed its chance has another.
 FAILOVER_ARGS = ["--steps", "3", "--prompts", "2"]
 # Its defaults are the smallest size that still kills mid-generation: two steps of one group of
