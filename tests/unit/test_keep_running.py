@@ -326,6 +326,8 @@ def test_the_standby_starts_after_a_step_where_a_restore_could_use_it(
     run.start_step, run.standby, run.wants_standby, run.ray_address = 2, None, wants, "local"
     run._notices, run._weights_due, run.rollouts = _Checked(), False, _Stepping()
     run.begin_step(step)
+    if step == run.start_step:  # the first step after a start never starts it
+        assert made == [] and run.standby is None
     run.begin_step(step + 1)  # one standby per run (the later step starts one where wanted)
     assert len(made) == (1 if started else 0)
     assert (run.standby is not None) == started
