@@ -345,13 +345,19 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             # Freeze the run, then decide on what is published now: nothing newer can
             # appear before the kill, so the next phase restores exactly the chosen snapshot.
             note(foreign, signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
+            # A process started since the last scan is frozen too before the choice.
+            new = descendants(proc.pid) - tree
+            tree |= new
+            note(foreign, signal_own(new, signal.SIGSTOP))
+            chosen_at = time.time()
             chosen = newest_if_ready()
             if chosen is None:  # a newer snapshot without enough items: wait for the next
                 note(foreign, signal_own(tree, signal.SIGCONT, pgid=proc.pid))
                 kill_at = None
                 continue
             since = frozen_at - snapshot_time(chosen["snapshot"])
-            chosen |= {"engine_before": engine, "kill_delay_s": delay, "after_snapshot_s": since}
+            chosen |= {"engine_before": engine, "kill_delay_s": delay, "after_snapshot_s": since,
+                       "chosen_at": chosen_at}  # fmt: skip
         time.sleep(0.05)
     tree |= descendants(proc.pid)
     note(foreign, signal_own(tree, signal.SIGKILL, pgid=proc.pid))
@@ -365,7 +371,11 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     if survivors:
         sys.exit(f"FAIL: processes survived the SIGKILL of phase {k}: {sorted(survivors)}")
     chosen["processes_killed"] = len(tree) + 1
+    chosen["pids"] = sorted(tree | {proc.pid})
     chosen["pids_not_ours"] = foreign  # reused by another's process: left alone
+    if late := published_after(root, chosen):
+        sys.exit(f"FAIL: published after phase {k}'s kill chose {chosen['snapshot']}: "
+                 f"{'; '.join(late)}; not ours: {foreign}")  # fmt: skip
     chosen["finished_keys"] = sorted(snapshot_keys(chosen["snapshot"], "replay"))
     return chosen
 
@@ -375,6 +385,33 @@ def restorable(ledger: dict, min_step: int, last_step: int) -> bool:
     >= min_step, and before the run's last (a restore of the final trainer checkpoint's
     snapshot only says the run already finished its steps, run_plan.py: the run is ending)."""
     return min_step <= ledger["step"] < last_step
+
+
+def published_after(root: str, chosen: dict) -> list[str]:
+    """Snapshots published after the kill's choice (none may be: the run was frozen), each
+    with its publish entry's writer and time, for the failure that names them."""
+    import pyarrow.fs as pafs
+
+    from rollout_recovery.data_plane import ownership
+    from rollout_recovery.data_plane.filesystem import resolve
+    from rollout_recovery.data_plane.snapshot_io import published_uris
+
+    names = [snapshot_name(u) for u in published_uris(root)]
+    newer = names[names.index(snapshot_name(chosen["snapshot"])) + 1 :]
+    if not newer:
+        return []
+    fs, path = resolve(root)
+    found = ownership.read_log(fs, path).publications()
+    out = []
+    for name in newer:
+        slot, entry = found[name]
+        [info] = fs.get_file_info([f"{ownership.log_dir(path)}/{ownership.entry_name(slot)}"])
+        written = info.mtime.timestamp() if info.type == pafs.FileType.File else float("nan")
+        pid = entry.owner.pid
+        out.append(f"{name} (entry {slot}, epoch {entry.epoch}, owner pid {pid} "
+                   f"{'in' if pid in chosen['pids'] else 'not in'} the killed tree, written "
+                   f"{written - chosen['chosen_at']:+.2f} s from the choice)")  # fmt: skip
+    return out
 
 
 def note(foreign: dict[int, str], pids: list[int]) -> None:

@@ -64,18 +64,24 @@ def two_workers(ray_session, tiny_cfg):
 
 @pytest.fixture(scope="session", autouse=True)
 def functional_checks(request, tmp_path_factory):
-    """The reduced crash-point campaign, started before the first test when a selected test
-    needs `crash_chain`: a subprocess job (tests/functional/checks.py) that runs beside the
-    cluster tests, which leave much of the two cores idle; None otherwise. Ended with the
+    """The functional checks' jobs (tests/functional/checks.py) a selected test needs, started
+    before the first test, one at a time: the reduced crash-point campaign (`crash_chain`)
+    beside the cluster tests, then the recovery checks beside the engine tests, which leave
+    one of the two cores mostly idle. test_recovery_functional.py widens this to four at once
+    when the session reaches it. None when no selected test needs a job; ended with the
     session, also when it ends early."""
     from tests.functional.checks import JOBS, Checks
 
     names = {n for item in request.session.items for n in getattr(item, "fixturenames", ())}
-    jobs = [j for j in JOBS if j.name == "crash_chain" and j.name in names]
-    checks = Checks(jobs, tmp_path_factory.mktemp("checks")).start() if jobs else None
+    functional = any(item.path.name == FUNCTIONAL for item in request.session.items)
+    jobs = [j for j in JOBS if (j.name in names if j.name == "crash_chain" else functional)]
+    checks = Checks(jobs, tmp_path_factory.mktemp("checks"), limit=1).start() if jobs else None
     yield checks
     if checks is not None:
         checks.stop()
+
+
+FUNCTIONAL = "test_recovery_functional.py"
 
 
 @pytest.fixture(scope="session")

@@ -87,7 +87,7 @@ def murmur3_hash32(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> 
     """MRV2's `murmur3_hash32(seed, pos, v)` for every row and v < vocab: int64 [rows, vocab]."""
     state = _row_state(seeds, positions)
     if seeds.device.type == "cpu":
-        return torch.from_numpy(_hash_uint32(state, vocab))
+        return torch.from_numpy(_hash_uint32(state, vocab).astype(np.int64))
     return _hash_int64(state, vocab)
 
 
@@ -108,17 +108,19 @@ def _rotl_u32(x: np.ndarray, r: int) -> np.ndarray:
 
 
 @lru_cache(maxsize=8)
-def _vocab_keys_u32(vocab: int) -> np.ndarray:
+def _rotated_vocab_keys_u32(vocab: int) -> np.ndarray:
+    """rotl13 of the scrambled vocab indices: a rotation distributes over xor, so the mix
+    step's rotl13(state ^ key) is rotl13(state) ^ this, one pass per row instead of four."""
     k = np.arange(vocab, dtype=np.uint32) * _U32(_C1)
-    return _rotl_u32(k, 15) * _U32(_C2)
+    return _rotl_u32(_rotl_u32(k, 15) * _U32(_C2), 13)
 
 
 def _hash_uint32(state: torch.Tensor, vocab: int) -> np.ndarray:
     """The same hash in uint32 lanes (numpy), where a multiply wraps mod 2**32 by itself: the
     int64 lanes above need a 16-bit split per multiply. At a 151k vocabulary (tiny://qwen3,
     Qwen's) this is about 4x faster on the CPU, and the hash is most of the sampler's cost."""
-    h = state.numpy().astype(np.uint32)[:, None] ^ _vocab_keys_u32(vocab)[None, :]
-    h = _rotl_u32(h, 13)
+    rotated_state = _rotl_u32(state.numpy().astype(np.uint32), 13)
+    h = rotated_state[:, None] ^ _rotated_vocab_keys_u32(vocab)[None, :]
     h *= _U32(5)
     h += _U32(0xE6546B64)
     h ^= _U32(16)  # murmur3 finalises with the key length in bytes
@@ -126,17 +128,45 @@ def _hash_uint32(state: torch.Tensor, vocab: int) -> np.ndarray:
         h ^= h >> _U32(shift)
         h *= _U32(factor)
     h ^= h >> _U32(16)
-    return h.astype(np.int64)
+    return h
+
+
+# uniform32: both 16-bit halves of the hash convert to fp32 exactly; their fp32 sum is
+# (h + 0.5) * 2**-32 correctly rounded, as in MRV2, so u lies in (0, 1]; u == 1 (p = 2**-25)
+# gives g = -inf.
+_HI_SCALE, _LO_SCALE = 1.52587890625e-05, 2.3283064365386963e-10  # 2**-16, 2**-32
+
+
+def _uniform_into(out: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> None:
+    """Write uniform32 of the hash for len(seeds) rows into the float32 tensor `out`."""
+    vocab = out.shape[1]
+    if out.device.type == "cpu":  # uint32 lanes straight to fp32: no int64 copy
+        _uniform_from_uint32(out.numpy(), _hash_uint32(_row_state(seeds, positions), vocab))
+    else:
+        _uniform_from_int64(out, _hash_int64(_row_state(seeds, positions), vocab))
+
+
+def _uniform_from_uint32(u: np.ndarray, h: np.ndarray) -> None:
+    """uniform32 of uint32 hash lanes `h` (clobbered) into the float32 array `u`."""
+    u[...] = h >> _U32(16)
+    u *= np.float32(_HI_SCALE)
+    h &= _U32(0xFFFF)
+    lo = h.astype(np.float32)
+    lo += np.float32(0.5)
+    lo *= np.float32(_LO_SCALE)
+    u += lo
+
+
+def _uniform_from_int64(out: torch.Tensor, h: torch.Tensor) -> None:
+    """uniform32 of int64 hash lanes `h` (clobbered) into `out`, in torch on any device."""
+    torch.mul((h >> 16).to(torch.float32), _HI_SCALE, out=out)
+    h.bitwise_and_(0xFFFF)
+    out.add_(h.to(torch.float32).add_(0.5).mul_(_LO_SCALE))
 
 
 def _noise_into(out: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> None:
     """Write Gumbel noise for len(seeds) rows into the float32 tensor `out` [rows, vocab]."""
-    h = murmur3_hash32(seeds, positions, out.shape[1])
-    # uniform32: both 16-bit halves convert exactly; their fp32 sum is (h + 0.5) * 2**-32
-    # correctly rounded, as in MRV2, so u lies in (0, 1]; u == 1 (p = 2**-25) gives g = -inf.
-    torch.mul((h >> 16).to(torch.float32), 1.52587890625e-05, out=out)
-    h.bitwise_and_(0xFFFF)
-    out.add_(h.to(torch.float32).add_(0.5).mul_(2.3283064365386963e-10))
+    _uniform_into(out, seeds, positions)
     out.neg_().log1p_().neg_().log_().neg_()  # g = -log(-log1p(-u))
 
 

@@ -26,17 +26,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.functional.checks import BROKEN, JOBS, Checks, Done
+from tests.functional.checks import BROKEN, Checks, Done
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def suite_checks(tmp_path_factory) -> Checks:
-    """Every check and broken run but the crash-point campaign (tests/functional/checks.py),
-    started now, while the session waits for them."""
-    jobs = [job for job in JOBS if job.name != "crash_chain"]
-    return Checks(jobs, tmp_path_factory.mktemp("checks")).start()
+def suite_checks(functional_checks: Checks) -> Checks:
+    """Every check and broken run (tests/functional/checks.py), started one at a time with
+    the session (tests/conftest.py), from now on four at once while the session waits."""
+    return functional_checks.widen(4)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +74,18 @@ def _report(out: Path) -> dict:
     return json.loads((out / "parity.json").read_text())
 
 
+def _decoded_on_qwen3(report: dict) -> bool:
+    """Whether the recovered run's trained tokens came from Qwen's vocabulary: ids past the
+    tiny Llama's 512 (the run's own batches, not the check's arguments)."""
+    import pyarrow as pa
+
+    from rollout_recovery.data_plane.schemas import list_column
+
+    batches = sorted(Path(report["recovered_dir"], "batches").glob("step-*.arrow"))
+    tables = [pa.ipc.open_file(pa.BufferReader(b.read_bytes())).read_all() for b in batches]
+    return bool(tables) and max(int(list_column(t, "token_ids")[1].max()) for t in tables) >= 512
+
+
 @pytest.fixture(scope="module")
 def broken(jobs) -> dict[str, Done]:
     """The finished checks' kills restored (or the failover run repeated) deliberately broken:
@@ -87,6 +98,7 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
     uninterrupted run's; the engines resumed every cut call; the kill's lost work measured."""
     report = _report(prefix_run)
     assert report["violations"] == [] and report["env"] == "notes"
+    assert _decoded_on_qwen3(report)
     assert [k["step"] for k in report["kills"]] == [0, 1]
     # Calls the token log had taken past their snapshot cut resumed from the token log's prefix
     # (the evidence check above held them to it).
@@ -170,6 +182,7 @@ def test_an_openai_harness_through_the_gateway_recovers_with_parity(gateway_run)
     records show no committed call decoded again (a violation otherwise)."""
     report = _report(gateway_run)
     assert report["violations"] == [] and report["env"] == "gateway"
+    assert _decoded_on_qwen3(report)
     assert report["restored_calls"] >= 2 and report["restored_prefix_tokens"] > 0
     assert all(s["same_batch"] and s["same_reward"] and s["loss_abs_diff"] == 0
                for s in report["steps"])  # fmt: skip

@@ -79,6 +79,33 @@ def test_the_cpu_uint32_lanes_equal_the_int64_lanes_at_a_qwen_vocabulary():
     assert torch.equal(cpu, _hash_int64(_row_state(seeds, pos), 151_936))
 
 
+def test_the_cpu_uniform_from_uint32_lanes_is_bit_identical_to_the_int64_path():
+    """The CPU builds uniform32 from the uint32 lanes in numpy; a GPU from int64 lanes in
+    torch. Same fp32 bits for every value at Qwen's vocabulary, u == 1 (g = -inf) included."""
+    from rollout_recovery.generation.sampler import (
+        _hash_int64,
+        _row_state,
+        _uniform_from_int64,
+        _uniform_from_uint32,
+        _uniform_into,
+    )
+
+    seeds = torch.tensor([as_int64_seed(s) for s in SEEDS for _ in POSITIONS])
+    pos = torch.tensor(POSITIONS * len(SEEDS))
+    cpu = torch.empty(len(seeds), 151_936)
+    _uniform_into(cpu, seeds, pos)
+    lanes = torch.empty_like(cpu)
+    _uniform_from_int64(lanes, _hash_int64(_row_state(seeds, pos), 151_936))
+    assert torch.equal(cpu.view(torch.int32), lanes.view(torch.int32))
+    extremes = [0xFFFFFFFF, 0xFFFFFFFE, 0xFFFF0000, 0x0000FFFF, 1, 0]
+    from_u32 = np.empty((1, len(extremes)), np.float32)
+    _uniform_from_uint32(from_u32, np.array([extremes], np.uint32))
+    from_i64 = torch.empty(1, len(extremes))
+    _uniform_from_int64(from_i64, torch.tensor([extremes]))
+    assert torch.equal(torch.from_numpy(from_u32).view(torch.int32), from_i64.view(torch.int32))
+    assert from_u32[0, 0] == 1.0 and 0.0 < from_u32[0, -1] < 2**-32
+
+
 def test_noise_matches_scalar_reference():
     offsets = [0, 1, 2, 150, 298, 299]
     seeds = [s for s in SEEDS for _ in POSITIONS]
