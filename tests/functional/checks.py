@@ -192,34 +192,41 @@ def crash_chain_result(out: Path):
     return pickle.loads((out / "result.pickle").read_bytes())
 
 
-# The crash chain first (engine tests wait for it), then the checks longest first (the two on
-# tiny://qwen3 run beside the engine tests), the deliberately broken runs last: each starts as
-# soon as a slot is free and the run it restores again has finished.
+# In the order they start, each as soon as a slot is free and the run it needs has finished:
+# the crash chain first (engine tests wait for it), then the two checks on tiny://qwen3 and the
+# soak (beside the engine tests), then the longest chains first, each deliberately broken run
+# right after the run it restores again, so that it starts as soon as that one has finished
+# (listed last, they waited for every check and the suite ended on a lone soak).
 JOBS = [
     Job("crash_chain", lambda o: ["-c", CRASH_CHAIN, str(o["crash_chain"])]),
-    *(_check_job(name) for name in ("prefix", "gateway", "turn", "own_loop", "two_owners",
-                                    "failover", "two_node")),
-    Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
+    _check_job("prefix"),
+    _check_job("gateway"),
+    Job("prefix_logprob_perturbed", lambda o: [
+        str(CHECK), "--out", str(o["prefix_logprob_perturbed"]), "--verify-only", *SMALL,
+        QWEN3],
+        ("prefix",), 900, _prefix_logprob_perturbed),
     Job("soak", lambda o: [str(SOAK), "--out", str(o["soak"]), "--json",
                            str(o["soak"] / "soak.json"), *SOAK_ARGS]),
+    _check_job("own_loop"),
     # The own-loop check's kill (tiny Llama) restored again: the prefix check's on tiny://qwen3
     # would cost the suite a qwen3 restore, for the same proof.
     Job("resume_disabled", lambda o: [
         str(CHECK), "--out", str(o["resume_disabled"]), "--from-kill", str(o["own_loop"]),
         "--fault", "resume_disabled", *OWN_LOOP, *SMALL], ("own_loop",), 900),
-    Job("redecode_committed_turns", lambda o: [
-        str(CHECK), "--out", str(o["redecode_committed_turns"]), *TURN, "--from-kill",
-        str(o["turn"]), "--fault", "redecode_committed_turns", *SMALL], ("turn",), 900),
+    _check_job("failover"),
     Job("token_log_rows_corrupted", lambda o: [
         str(FAILOVER), "--out", str(o["token_log_rows_corrupted"]), "--kill", "engine",
         *FAILOVER_ARGS, "--reference", str(o["failover"] / "reference"), "--fault",
         "token_log_rows_corrupted"], ("failover",), 900),
-    Job("prefix_logprob_perturbed", lambda o: [
-        str(CHECK), "--out", str(o["prefix_logprob_perturbed"]), "--verify-only", *SMALL,
-        QWEN3],
-        ("prefix",), 900, _prefix_logprob_perturbed),
+    _check_job("turn"),
+    Job("redecode_committed_turns", lambda o: [
+        str(CHECK), "--out", str(o["redecode_committed_turns"]), *TURN, "--from-kill",
+        str(o["turn"]), "--fault", "redecode_committed_turns", *SMALL], ("turn",), 900),
+    Job("async", lambda o: [str(ASYNC), "--out", str(o["async"]), *ASYNC_ARGS]),
     Job("async_broken", lambda o: [str(ASYNC), "--out", str(o["async_broken"]), *ASYNC_ARGS,
                                    "--verify-only"], ("async",), 900, _tamper_async),
+    _check_job("two_owners"),
+    _check_job("two_node"),
 ]  # fmt: skip
 
 Done = tuple[subprocess.CompletedProcess, Path]

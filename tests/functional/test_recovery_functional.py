@@ -1,12 +1,13 @@
 """The recovery functional tests at a small size (reference, SIGKILL, restore, parity), and
-proof that the checks fail when recovery breaks: a deliberately broken restore of the same
-killed run (resume disabled, committed turns decoded again) and one perturbed logprob.
+proof that the checks fail when recovery breaks: a deliberately broken restore of a killed run
+(resume disabled, committed turns decoded again) and one perturbed logprob.
 
 The user-environment check (functional_tests/env_recovery.sh) runs here as the prefix check
 (the notes agent, two kills, local files) and the turn check (the notes agent, on S3); the
 gateway check (functional_tests/gateway_recovery.sh) runs an `openai` client harness per
-rollout through the gateway; the failover check (functional_tests/worker_failover.sh) kills
-one worker's engine, then one worker actor, in the middle of generation; the two-node check
+rollout through the gateway. Those two run on tiny://qwen3 (Qwen's vocabulary), the rest on
+the tiny Llama. The failover check (functional_tests/worker_failover.sh) kills one worker's
+engine, then one worker actor, in the middle of generation; the two-node check
 (functional_tests/two_node_recovery.sh) SIGKILLs a driver whose workers, store shards and
 environment actors run on both nodes of a local Ray cluster, and restores it there. The own-loop
 check (functional_tests/own_loop_recovery.sh) runs the prefix check on a training loop of its own
@@ -15,7 +16,8 @@ check (functional_tests/own_loop_recovery.sh) runs the prefix check on a trainin
 process, thaws the first and requires it to stop writing. The async check
 (functional_tests/async_recovery.sh) kills asynchronous GRPO twice and checks its invariants;
 a tampered copy of its records must fail them. The checks and the runs broken on purpose run
-as jobs (tests/functional/checks.py), at most four at once.
+as jobs (tests/functional/checks.py), one at a time from the session's start, at most four at
+once from here on.
 The built-in single-turn task's prefix recovery is killed at every crash point by
 tests/functional/test_crash_campaign.py."""
 
@@ -123,8 +125,9 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
 
 
 def test_the_check_fails_when_workers_silently_ignore_continuations(broken):
-    """The same killed run restored with resume disabled on the workers: every output still
-    matches the reference (the sampler is deterministic), only the engine records tell."""
+    """The own-loop check's killed run restored with resume disabled on the workers: every
+    output still matches the reference (the sampler is deterministic), only the engine records
+    tell."""
     proc, out = broken["resume_disabled"]
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = _report(out)
