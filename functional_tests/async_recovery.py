@@ -57,7 +57,6 @@ from rollout_recovery.testing.campaign import engine_evidence as evidence  # noq
 from rollout_recovery.testing.campaign.crash_points import (  # noqa: E402
     batch,
     restore_events,
-    session_records,
     snapshot_name,
 )
 
@@ -227,12 +226,12 @@ def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[l
             "taken_from_token_log": 0,
         },
     )
-    sessions = session_records(run_dir)
+    afters = rc.after_each_kill(run_dir, kills)
     token_log = rc.token_log_restores(run_dir)
     for k, killed in enumerate(kills):
         if k < len(token_log):  # the continuations as the restore gave them to the workers
             counts["taken_from_token_log"] += len(rc.with_token_log(killed["ledger"], token_log[k]))
-        after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
+        after = afters[k]
         by_call = defaultdict(list)
         for r in after:
             by_call[(r["rollout_id"], r["model_call_id"])].append(r)
@@ -292,10 +291,10 @@ def check_restores(args, run_dir: str, kills: list[dict]) -> tuple[list[str], di
     """[committed]: no rollout a snapshot had finished (in the buffer) is decoded again after
     its restore; [level]: below prefix level no call resumes from a prefix, and the calls in
     flight at the kill are decoded again from their first token (counted)."""
-    sessions = session_records(run_dir)
+    afters = rc.after_each_kill(run_dir, kills)
     out, counts = [], {"in_flight": 0, "generated_again": 0, "not_decoded_again": 0}
     for k, killed in enumerate(kills):
-        after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
+        after = afters[k]
         _, done = evidence.committed(killed["ledger"], killed["finished_keys"])
         for r in after:
             if r["rollout_id"] in done and r["decoded_tokens"]:
@@ -419,10 +418,10 @@ def check_logprobs(args, run_dir: str, rows: dict) -> tuple[list[str], dict]:
 
 def lost_work(run_dir: str, kills: list[dict], level: str) -> list[dict]:
     """Per kill: what the engines decoded before it, and of that what they decoded again."""
-    sessions = session_records(run_dir)
+    afters = rc.after_each_kill(run_dir, kills)
     out = []
     for k, killed in enumerate(kills):
-        after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
+        after = afters[k]
         w = evidence.lost_work(
             killed["engine_before"], after, [], killed["ledger"], killed["finished_keys"], level
         )
@@ -561,8 +560,13 @@ def main() -> int:
     ap.add_argument("--verify-only", action="store_true", help="check --out's run again")
     ap.add_argument("extra", nargs="*", help="more config overrides for every run")
     args = ap.parse_args()
-    if args.kills >= args.steps:
-        sys.exit(f"FAIL: {args.kills} kills need --steps > {args.kills}")
+    # A snapshot of step s holds the calls of the groups that step s + 2 trains (generation
+    # runs a step ahead), so a kill after one of the last two steps' snapshots leaves the
+    # restore nothing to resume: its calls are never needed (and the last phase decodes
+    # nothing). Kills come after snapshots of steps 1 .. steps - 2.
+    args.kill_before = args.steps - 1
+    if args.kills >= args.kill_before:
+        sys.exit(f"FAIL: {args.kills} kills need --steps > {args.kills + 1}")
     mark_this_check()
     atexit.register(rc.stop_left_runs)
     args.seed = secrets.randbelow(2**31) if args.seed is None else args.seed

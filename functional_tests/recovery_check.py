@@ -76,6 +76,7 @@ from processes import (  # noqa: E402
 from rollout_recovery.testing.campaign import engine_evidence as evidence  # noqa: E402
 from rollout_recovery.testing.campaign.crash_points import (  # noqa: E402
     batch,
+    records_by_run,
     restore_events,
     session_records,
     snapshot_keys,
@@ -298,7 +299,8 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
             n, ledger = count(args, uris[-1]) if uris else (0, {})
         except Exception:
             return None
-        if n < args.cuts or not restorable(ledger, min_step, args.steps):
+        before = getattr(args, "kill_before", args.steps)  # a check's own last kill step
+        if n < args.cuts or not restorable(ledger, min_step, before):
             return None
         return {"snapshot": uris[-1], "recoverable_cuts": n, "step": ledger["step"],
                 "ledger": ledger}  # fmt: skip
@@ -412,6 +414,19 @@ def published_after(root: str, chosen: dict) -> list[str]:
                    f"{'in' if pid in chosen['pids'] else 'not in'} the killed tree, written "
                    f"{written - chosen['chosen_at']:+.2f} s from the choice)")  # fmt: skip
     return out
+
+
+def after_each_kill(run_dir: str, kills: list[dict]) -> list[list[dict]]:
+    """Per kill, the engine records of the runs after it: the next kill's read, or for the
+    last kill every session started after its choice (none when the last phase decoded
+    nothing; an earlier session's records are never taken for it). Kills recorded before
+    `chosen_at` existed fall back to the newest session."""
+    last = kills[-1]
+    if "chosen_at" in last:
+        tail = records_by_run(run_dir, [0, int(last["chosen_at"] * 1e9)])[1]
+    else:
+        tail = [[], *session_records(run_dir)][-1]
+    return [k["engine_before"] for k in kills[1:]] + [tail]
 
 
 def note(foreign: dict[int, str], pids: list[int]) -> None:
@@ -902,12 +917,12 @@ def report(args, ref_dir: str, rec_dir: str, kills: list[dict]) -> int:
     for k, killed in enumerate(kills):
         if k < len(token_log):
             killed["token_log"] = with_token_log(killed["ledger"], token_log[k])
-    sessions = session_records(rec_dir)
+    afters = after_each_kill(rec_dir, kills)
     [reference_records] = session_records(ref_dir)[-1:] or [[]]
     lost = []
     for k, killed in enumerate(kills):
         redone = rec.get(killed["ledger"]["step"] + 1, {})
-        after = kills[k + 1]["engine_before"] if k + 1 < len(kills) else sessions[-1]
+        after = afters[k]
         counts = {c: v for c, v in redone.items() if c in RESTORE_COUNTERS
                   or c.startswith("restore_refused.")}  # fmt: skip
         violations += check_restored_once(

@@ -236,3 +236,21 @@ def test_a_kill_is_never_chosen_after_the_runs_final_trainer_checkpoint():
     assert rc.restorable({"step": 3, "reason": "trainer_checkpoint"}, 1, 4)
     assert not rc.restorable({"step": 4, "reason": "trainer_checkpoint"}, 1, 4)
     assert not rc.restorable({"step": 0, "reason": "cadence"}, 1, 4)
+
+
+def test_a_last_phase_that_decoded_nothing_has_no_records_after_the_kill(tmp_path):
+    """The records after the last kill are those of sessions started after its choice: when
+    the last phase decoded nothing (no session file of its own), the killed phase's records
+    must not stand in for it (they made the async check report committed calls decoded again
+    after a restore that decoded none)."""
+    attempts = tmp_path / "call_attempts"
+    attempts.mkdir()
+    before = _rec("s0003-p000-g0", "c0", 0, 128)
+    (attempts / "session-1000000000.jsonl").write_text(json.dumps(before) + "\n")
+    kills = [{"engine_before": [before], "chosen_at": 2.0}]
+    assert rc.after_each_kill(str(tmp_path), kills) == [[]]
+    after = _rec("s0004-p000-g0", "c0", 0, 82, prefix=46)
+    (attempts / "session-3000000000.jsonl").write_text(json.dumps(after) + "\n")
+    assert rc.after_each_kill(str(tmp_path), kills) == [[after]]
+    second = [{"engine_before": [before], "chosen_at": 2.0}, {"engine_before": [after]}]
+    assert rc.after_each_kill(str(tmp_path), second)[0] == [after]
