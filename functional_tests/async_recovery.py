@@ -180,19 +180,12 @@ def trained_rows(run_dir: str, steps: dict[int, dict]) -> dict[str, object]:
     return {r.rollout_id: r for s in steps for r in table_to_replay_rows(batch(run_dir, s))}
 
 
-def staged_prefix(run_dir: str, snapshot: str, ident, keys: list[str]):
-    """A continuation's chunk rows, from the snapshot's own files and, for the rows a restore
-    took from the token log, its segments: (ids, spans), or None when one is missing."""
-    import numpy as np
-
-    from rollout_recovery.controller.restore import TOKEN_LOG_DIR
+def staged_rows(snapshot: str) -> dict:
+    """The snapshot's own staged chunk rows, by key."""
     from rollout_recovery.data_plane import StagingStore
     from rollout_recovery.data_plane.filesystem import resolve
     from rollout_recovery.data_plane.schemas import table_to_chunk_rows
     from rollout_recovery.data_plane.snapshot_io import read_partitions
-    from rollout_recovery.data_plane.spans import merged
-    from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
-    from rollout_recovery.storage import RunStorage
 
     fs, path = resolve(snapshot)
     files = [
@@ -200,7 +193,20 @@ def staged_prefix(run_dir: str, snapshot: str, ident, keys: list[str]):
     ]
     tables = [t.select([c for c in t.column_names if not c.startswith("_")])
               for t in read_partitions(fs, path, files).values()]  # fmt: skip
-    rows = {r.key: r for t in tables for r in table_to_chunk_rows(t)}
+    return {r.key: r for t in tables for r in table_to_chunk_rows(t)}
+
+
+def staged_prefix(run_dir: str, snapshot: str, ident, keys: list[str]):
+    """A continuation's chunk rows, from the snapshot's own files and, for the rows a restore
+    took from the token log, its segments: (ids, spans), or None when one is missing."""
+    import numpy as np
+
+    from rollout_recovery.controller.restore import TOKEN_LOG_DIR
+    from rollout_recovery.data_plane.spans import merged
+    from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
+    from rollout_recovery.storage import RunStorage
+
+    rows = staged_rows(snapshot)
     logged, _ = TokenLogSegments.read(RunStorage(run_dir).child_uri(TOKEN_LOG_DIR), {ident})
     rows |= {r.key: r for r in logged.get(ident, {}).values() if r is not None}
     chain = [rows[k] for k in keys if k in rows]
@@ -208,6 +214,29 @@ def staged_prefix(run_dir: str, snapshot: str, ident, keys: list[str]):
         return None
     ids = np.concatenate([r.token_ids for r in chain])
     return ids, merged(s for r in chain for s in r.version_spans())
+
+
+def current_cuts(args, snapshot_uri: str) -> tuple[int, dict]:
+    """The kill's condition at level prefix: recoverable cut calls (recovery_check's rule)
+    whose every staged token came from the snapshot's own weight version. A restore trains
+    their groups at most one version later, within max_trajectory_age_steps >= 1 however long
+    the restore takes; a call begun on the weights before would go stale if its group is
+    trained a step later than it would have been without the crash, and a kill whose only
+    cut calls go stale resumes nothing that is trained (its [prefix] comparison is empty)."""
+    n, ledger = rc.recoverable(args, snapshot_uri)
+    if not n:
+        return 0, ledger
+    rows = staged_rows(snapshot_uri)
+    _, done = evidence.committed(ledger, rc.snapshot_keys(snapshot_uri, "replay"))
+    current = 0
+    for rollout, c in ledger["continuations"].items():
+        if rollout in done or not 0 < c.get("tokens", 0) < args.max_tokens:
+            continue
+        first = rows.get((c.get("keys") or [None])[0])
+        spans = first.version_spans() if first is not None else []
+        if spans and min(v for v, *_ in spans) >= ledger["weight_version"]:
+            current += 1
+    return current, ledger
 
 
 def check_prefixes(args, run_dir: str, kills: list[dict], rows: dict) -> tuple[list[str], dict]:
@@ -463,6 +492,15 @@ def report(args, run_dir: str, kills: list[dict]) -> int:
             f"[prefix] only {prefix_counts['resumed']} calls resumed from a prefix "
             f"(< {args.cuts} per kill)"
         )
+    if (
+        args.level == "prefix"
+        and prefix_counts["resumed"]
+        and not prefix_counts["compared_in_training"]
+    ):
+        violations.append(
+            "[prefix] no call a restore resumed was trained (their groups went stale or were "
+            "never reached): the kill left nothing to compare"
+        )
     lost = lost_work(run_dir, kills, args.level)
     result = {
         "level": args.level,
@@ -573,8 +611,7 @@ def main() -> int:
     args.rng, args.token = random.Random(args.seed), secrets.token_urlsafe(16)
     args.env, args.train, args.model, args.gpu = "tally", None, None, False
     args.config = rc.REPO / "configs" / "prefix_recovery.yaml"  # its level set by override
-    if args.level != "prefix":
-        args.recoverable = in_flight
+    args.recoverable = in_flight if args.level != "prefix" else current_cuts
     args.max_turns, args.phase1_retries, args.storage = 1, 0, "local"
     args.extra = [*async_overrides(args), *args.extra]
     args.out = args.out.resolve()

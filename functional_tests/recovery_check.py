@@ -12,16 +12,18 @@ repo's .venv python and the arguments of `rollout-recovery train`) in every phas
 `rollout-recovery train`; its config defaults to the config.yaml beside it.
 
 1. reference: `rollout-recovery train` start to finish;
-2. kill k (of --kills): the run (fresh, then `--restore`) in its own process group, polled
-   until a published snapshot of a later trainer step than the previous kill's holds at least
-   --cuts recoverable cuts (prefix level: 0 < prefix < limit) or partly done episodes (turn
-   level: 0 < committed turns < max_turns). The kill then lands at a random moment after that
-   snapshot was taken (uniform in 0.1-0.9 snapshot intervals, --seed): every process but the
-   worker actors is frozen (no decoding, no publishing), what each engine decoded per call
-   attempt is read over the workers' control API, the whole group is frozen, the newest
-   published snapshot (the one a restore picks) is recorded with how long before the freeze
-   it was taken, and the group is killed with SIGKILL; none of its
-   processes (Ray, engines) may be left;
+2. kill k (of --kills): the run (fresh, then `--restore`) in its own process group, held by
+   its controller right after each published snapshot of a step in [min_step, kill_before)
+   (the crash point `snapshot_taken` armed to pause, functional_tests/pauses.py) until one of
+   a later trainer step than the previous kill's holds at least --cuts recoverable cuts
+   (prefix level: 0 < prefix < limit) or partly done episodes (turn level: 0 < committed
+   turns < max_turns). The run cannot pass a snapshot the check has not judged, so load never
+   decides whether the kill comes. The controller then stays held (nothing newer is
+   published) while the rest decodes on for a random 0.1-0.9 snapshot intervals (--seed);
+   every process but the worker actors is frozen, what each engine decoded per call attempt
+   is read over the workers' control API, the whole group is frozen and killed with SIGKILL;
+   none of its processes (Ray, engines) may be left. The kill's record names the pause it
+   acted on (`held_at`) and every snapshot it judged on the way (`judged`);
 3. last phase: `rollout-recovery train --restore` finishes the run;
 4. parity: per step the same training batch (keys, token ids, loss masks, rewards, lengths),
    the same loss and reward (exactly), generation logprobs within thresholds, the episodes'
@@ -63,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CLI = [str(REPO / ".venv" / "bin" / "rollout-recovery"), "train"]
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 
+from pauses import Pauses, resume, session  # noqa: E402
 from processes import (  # noqa: E402
     MARK_ENV,
     alive_own,
@@ -267,100 +270,79 @@ def retry_dir(run_dir: str) -> str:
 
 
 def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
-    """Run (fresh for k == 1, else --restore) until a published snapshot of trainer step >=
-    min_step holds --cuts recoverable items, then kill at a random moment after it: freeze
-    the engines, read what they decoded, freeze everything, SIGKILL, check no survivors."""
+    """Run (fresh for k == 1, else --restore) held after each published snapshot of a step in
+    [min_step, kill_before) (pauses.py) until one holds --cuts recoverable items; then, with
+    the controller still held (nothing newer is published), let the rest decode for a random
+    fraction of a snapshot interval, freeze all but the engines' actors, read what the engines
+    decoded, freeze everything, SIGKILL, check no survivors."""
     import httpx
-
-    from rollout_recovery.data_plane.snapshot_io import published_uris
 
     log_path = args.out / f"phase{k}.log"
     log = open(log_path, "w")  # noqa: SIM115 - open for the child's lifetime
     restore = ["--restore"] if k > 1 else []
     what = f"phase {k} (`train{' --restore' if restore else ''}`)"
     before = len(checkpoint_records(run_dir))
+    last = getattr(args, "kill_before", args.steps)  # a check's own last kill step
+    pauses = Pauses(args.out / f"phase{k}.pauses.jsonl", "snapshot_taken",
+                    f"step>={min_step},step<{last}")  # fmt: skip
     proc = subprocess.Popen(
         [*train_command(args), *restore, "--config", config(args), *overrides(args, run_dir)],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+        env=os.environ | pauses.env(),
     )  # fmt: skip
     STARTED.append(proc)
-    root = child(run_dir, "data_plane")
     deadline = time.monotonic() + args.phase_timeout
-    chosen, kill_at, delay, next_scan = None, None, 0.0, 0.0
+    chosen: dict | None = None
     tree: set[int] = set()
     foreign: dict[int, str] = {}  # pids once in the tree, another's process by the signal
-
-    def newest_if_ready() -> dict | None:
-        """The newest published snapshot, if it holds enough recoverable items: the one a
-        restore picks."""
-        try:
-            uris = published_uris(root)
-            count = getattr(args, "recoverable", recoverable)  # a check's own condition
-            n, ledger = count(args, uris[-1]) if uris else (0, {})
-        except Exception:
-            return None
-        before = getattr(args, "kill_before", args.steps)  # a check's own last kill step
-        if n < args.cuts or not restorable(ledger, min_step, before):
-            return None
-        return {"snapshot": uris[-1], "recoverable_cuts": n, "step": ledger["step"],
-                "ledger": ledger}  # fmt: skip
+    judged: list[dict] = []  # every pause: the snapshot and whether it qualified
 
     want = f"snapshot of step >= {min_step} with {args.cuts} recoverable items"
     while chosen is None:
-        if proc.poll() is not None:
-            raise NoKillChance(f"{what} exited {proc.returncode} before a {want} was published; "
-                               f"{run_state(run_dir, log_path, before)}")  # fmt: skip
-        if time.monotonic() > deadline:
+        try:
+            held = pauses.wait(proc, deadline)
+        except TimeoutError:
             stop_run(proc)
             sys.exit(f"FAIL: {what} stuck: no {want} within {args.phase_timeout:g} s; "
                      f"{run_state(run_dir, log_path, before)}")  # fmt: skip
-        if time.monotonic() >= next_scan:  # pgrep per process: not on every poll
-            tree |= descendants(proc.pid)
-            next_scan = time.monotonic() + 1.0
-        ready = newest_if_ready() if kill_at is None else None
-        if ready is not None:
-            # The next attempt starts a full interval after this one ended: a kill within
-            # 0.9 intervals of this snapshot lands before anything newer is published.
-            delay = args.rng.uniform(0.1, 0.9) * args.interval
-            kill_at = snapshot_time(ready["snapshot"]) + delay
-        if kill_at is not None and time.time() >= kill_at and run_ending(run_dir, args.steps):
-            # Too late (a slow poll on a loaded machine): the run finished its steps and is
-            # stopping its workers. It exits without a kill, and phase 1 runs again.
-            kill_at = None
-        if kill_at is not None and time.time() >= kill_at:
-            tree |= descendants(proc.pid)
-            workers = current_workers(run_dir, tree)
-            # Freeze everything but the worker actors (they answer the read below): no token
-            # is decoded and no snapshot is published from here on.
-            others = ({proc.pid} | tree) - {w["pid"] for w in workers}
-            note(foreign, signal_own(others, signal.SIGSTOP))
-            frozen_at = time.time()
-            time.sleep(0.1)  # outputs already sent reach the workers' counters
-            try:
-                engine = read_engine_records(workers, args.token)
-            except httpx.HTTPError:  # fatal, unless the run was stopping its workers
-                if not run_ending(run_dir, args.steps):
-                    raise
-                note(foreign, signal_own(others, signal.SIGCONT))
-                kill_at = None
-                continue
-            # Freeze the run, then decide on what is published now: nothing newer can
-            # appear before the kill, so the next phase restores exactly the chosen snapshot.
-            note(foreign, signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
-            # A process started since the last scan is frozen too before the choice.
-            new = descendants(proc.pid) - tree
-            tree |= new
-            note(foreign, signal_own(new, signal.SIGSTOP))
-            chosen_at = time.time()
-            chosen = newest_if_ready()
-            if chosen is None:  # a newer snapshot without enough items: wait for the next
-                note(foreign, signal_own(tree, signal.SIGCONT, pgid=proc.pid))
-                kill_at = None
-                continue
-            since = frozen_at - snapshot_time(chosen["snapshot"])
-            chosen |= {"engine_before": engine, "kill_delay_s": delay, "after_snapshot_s": since,
-                       "chosen_at": chosen_at}  # fmt: skip
-        time.sleep(0.05)
+        if held is None:
+            raise NoKillChance(f"{what} exited {proc.returncode} before a {want} was published "
+                               f"({len(judged)} snapshots judged: {judged[-4:]}); "
+                               f"{run_state(run_dir, log_path, before)}")  # fmt: skip
+        tree |= descendants(proc.pid) | session(proc.pid)
+        ready = held_snapshot(args, run_dir, held, min_step, last)
+        judged.append({"snapshot": held["facts"]["snapshot"], "step": held["facts"]["step"],
+                       "recoverable": ready["recoverable_cuts"] if ready else None})  # fmt: skip
+        if ready is None or ready["recoverable_cuts"] < args.cuts:
+            note(foreign, resume(proc.pid))
+            continue
+        # Held right after a qualifying snapshot. The controller (the pausing process) stays
+        # stopped, so nothing newer is published and no step can end; the engines decode on
+        # for a random fraction of an interval, so the kill lands at varied token positions.
+        delay = args.rng.uniform(0.1, 0.9) * args.interval
+        note(foreign, resume(proc.pid, keep={held["pid"]}))
+        time.sleep(delay)
+        tree |= descendants(proc.pid) | session(proc.pid)
+        workers = current_workers(run_dir, tree)
+        # Freeze everything but the worker actors (they answer the read below): no token
+        # is decoded from here on.
+        others = ({proc.pid} | tree) - {w["pid"] for w in workers}
+        note(foreign, signal_own(others, signal.SIGSTOP))
+        frozen_at = time.time()
+        time.sleep(0.1)  # outputs already sent reach the workers' counters
+        try:
+            engine = read_engine_records(workers, args.token)
+        except httpx.HTTPError as err:
+            stop_run(proc)
+            sys.exit(f"FAIL: {what}: the engines' records could not be read while held after "
+                     f"{held['facts']['snapshot']}: {err}")  # fmt: skip
+        note(foreign, signal_own(tree, signal.SIGSTOP, pgid=proc.pid))
+        new = (descendants(proc.pid) | session(proc.pid)) - tree
+        tree |= new
+        note(foreign, signal_own(new, signal.SIGSTOP))
+        since = frozen_at - snapshot_time(ready["snapshot"])
+        chosen = ready | {"engine_before": engine, "kill_delay_s": delay, "after_snapshot_s": since,
+                          "chosen_at": time.time(), "held_at": held, "judged": judged}  # fmt: skip
     tree |= descendants(proc.pid)
     note(foreign, signal_own(tree, signal.SIGKILL, pgid=proc.pid))
     proc.wait()
@@ -375,11 +357,26 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     chosen["processes_killed"] = len(tree) + 1
     chosen["pids"] = sorted(tree | {proc.pid})
     chosen["pids_not_ours"] = foreign  # reused by another's process: left alone
-    if late := published_after(root, chosen):
+    if late := published_after(child(run_dir, "data_plane"), chosen):
         sys.exit(f"FAIL: published after phase {k}'s kill chose {chosen['snapshot']}: "
                  f"{'; '.join(late)}; not ours: {foreign}")  # fmt: skip
     chosen["finished_keys"] = sorted(snapshot_keys(chosen["snapshot"], "replay"))
     return chosen
+
+
+def held_snapshot(args, run_dir: str, held: dict, min_step: int, last: int) -> dict | None:
+    """The snapshot the run is held after, with its recoverable items (a check's own rule,
+    `args.recoverable`), or None when it is not the newest published (a restore would not
+    pick it) or not of a step a kill may land in."""
+    from rollout_recovery.data_plane.snapshot_io import published_uris
+
+    uris = published_uris(child(run_dir, "data_plane"))
+    if not uris or snapshot_name(uris[-1]) != held["facts"]["snapshot"]:
+        return None
+    n, ledger = getattr(args, "recoverable", recoverable)(args, uris[-1])
+    if not restorable(ledger, min_step, last):
+        return None
+    return {"snapshot": uris[-1], "recoverable_cuts": n, "step": ledger["step"], "ledger": ledger}
 
 
 def restorable(ledger: dict, min_step: int, last_step: int) -> bool:
@@ -433,17 +430,6 @@ def note(foreign: dict[int, str], pids: list[int]) -> None:
     """Record what the pids left alone run now (another check's engine, a `pgrep`, ...)."""
     for pid in pids:
         foreign.setdefault(pid, command(pid))
-
-
-def run_ending(run_dir: str, last_step: int) -> bool:
-    """Whether the running phase is stopping its job: it logged its last step, or a worker of
-    it has exited (a worker stops serving before its process ends)."""
-    from rollout_recovery.storage import RunStorage
-
-    if last_step in steps(run_dir):
-        return True
-    workers = json.loads(RunStorage(run_dir).read_bytes("workers.json"))["workers"]
-    return not all(alive_own(w["pid"]) for w in workers)
 
 
 def current_workers(run_dir: str, tree: set[int]) -> list[dict]:

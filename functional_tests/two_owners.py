@@ -5,12 +5,14 @@ stop without writing a byte there, and the run goes on from the newer one's hist
         [--train PATH] [--config FILE] [config overrides...]
 
 1. A: a fresh run of the own loop (examples/own_loop/train.py; --train another script with
-   the arguments of `rollout-recovery train`) in its own process group with its own Ray, until
-   a snapshot of trainer step >= 1 holding --cuts cut calls (0 < prefix < limit) is published:
-   A's whole process tree is then frozen (SIGSTOP) while it generates that step: a freeze
-   that came after A leased the step's batch (a slow poll on a loaded machine) is undone and a
-   later step's snapshot waited for; an A that finishes without one runs once more in a fresh
-   location (`retries` in the report).
+   the arguments of `rollout-recovery train`) in its own process group with its own Ray. Its
+   controller holds the whole job right after each snapshot of a trainer step in [1, S) it
+   publishes (the crash point `snapshot_taken` armed to pause, pauses.py); the first such
+   snapshot that holds --cuts cut calls (0 < prefix < limit) while A has not yet leased that
+   step's batch is where A stays frozen (every process of it SIGSTOPped), the others are
+   resumed. A cannot pass a snapshot the check has not judged; an A that finishes without a
+   qualifying one runs once more in a fresh location (`retries` in the report). The report's
+   `frozen` names the pause (`held_at`) and every snapshot judged on the way (`judged`).
 2. B: `--restore` on the same checkpoint_dir, to the end of grpo.steps=S. It claims the run
    (a newer owner epoch) and must publish at least one snapshot.
 3. Every file and directory under checkpoint_dir is recorded (sha256 of each file); A is thawed
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PYTHON = str(REPO / ".venv" / "bin" / "python")
 OWN_LOOP = REPO / "examples" / "own_loop" / "train.py"
 
+from pauses import Pauses, resume, session  # noqa: E402
 from processes import (  # noqa: E402
     MARK_ENV,
     descendants,
@@ -89,12 +92,15 @@ def overrides(args, steps: int) -> list[str]:
     ]
 
 
-def start(args, name: str, steps: int, restore: bool) -> subprocess.Popen:
+def start(
+    args, name: str, steps: int, restore: bool, pauses: Pauses | None = None
+) -> subprocess.Popen:
     """An actor: the training script in its own session (its own process group and Ray),
-    stdout and stderr kept apart under --out (stderr is part of the verdict)."""
+    stdout and stderr kept apart under --out (stderr is part of the verdict); `pauses` arms
+    its holds after snapshots (A's)."""
     cmd = [PYTHON, str(args.train), *(["--restore"] if restore else []),
            "--config", str(args.config), *overrides(args, steps)]  # fmt: skip
-    env = os.environ | {ACTOR_ENV: name}
+    env = os.environ | {ACTOR_ENV: name} | (pauses.env() if pauses else {})
     env |= {"ROLLOUT_RECOVERY_FAULTS": args.fault} if args.fault else {}
     with open(args.out / f"{name}.out", "w") as out, open(args.out / f"{name}.err", "w") as err:
         return subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=env,
@@ -157,62 +163,55 @@ def stop(proc: subprocess.Popen, tree: set[int]) -> None:
     proc.wait()
 
 
-def freeze_point(args, proc: subprocess.Popen, min_step: int) -> dict:
-    """Poll A until its newest published snapshot is of trainer step >= min_step and holds
-    --cuts calls cut mid-generation; returns that snapshot (name, step, cut calls)."""
+def held_point(args, held: dict) -> dict | None:
+    """The snapshot A is held after (pauses.py): name, step and the calls it holds cut
+    mid-generation (0 < prefix < limit); None when it is not the newest published."""
     from rollout_recovery.controller.selection import DATA_PLANE
     from rollout_recovery.data_plane import StagingStore
     from rollout_recovery.data_plane.snapshot_io import published_uris
     from rollout_recovery.storage import RunStorage
 
-    root = RunStorage(str(args.run_dir)).child_uri(DATA_PLANE)
+    uris = published_uris(RunStorage(str(args.run_dir)).child_uri(DATA_PLANE))
+    if not uris or snapshot_name(uris[-1]) != held["facts"]["snapshot"]:
+        return None
+    ledger = json.loads(StagingStore.read_sidecar(uris[-1], "ledger.json"))
+    cut = [c["tokens"] for c in ledger["continuations"].values()
+           if 0 < c.get("tokens", 0) < args.max_tokens]  # fmt: skip
+    return {"snapshot": snapshot_name(uris[-1]), "step": ledger["step"], "cut_calls": cut}
+
+
+def freeze_mid_generation(args, proc: subprocess.Popen, pauses: Pauses) -> tuple[dict, set[int]]:
+    """A holds itself right after each snapshot of a step in [1, --steps) it publishes
+    (pauses.py). It stays frozen at the first that holds --cuts cut calls while A still
+    generates that step (it has not leased the step's batch: its batch file, or the temporary
+    file of its write, is absent); every other pause is resumed. A cannot pass a snapshot
+    this check has not judged, so load never decides whether the freeze comes."""
     deadline = time.monotonic() + args.phase_timeout
-    while proc.poll() is None:
-        if time.monotonic() > deadline:
-            raise CheckFailed(f"A: no snapshot of step >= {min_step} with {args.cuts} cut calls "
-                              f"within {args.phase_timeout:g} s")  # fmt: skip
+    late, judged = [], []
+    while True:
         try:
-            uris = published_uris(root)
-            ledger = json.loads(StagingStore.read_sidecar(uris[-1], "ledger.json"))
-        except Exception:  # nothing published yet, or retention removed it while read
-            time.sleep(0.05)
-            continue
-        cut = [c["tokens"] for c in ledger["continuations"].values()
-               if 0 < c.get("tokens", 0) < args.max_tokens]  # fmt: skip
-        if ledger["step"] >= min_step and len(cut) >= args.cuts:
-            return {"snapshot": snapshot_name(uris[-1]), "step": ledger["step"], "cut_calls": cut}
-        time.sleep(0.05)
-    last = last_line(args, "A")
-    raise NoFreezeChance(f"A exited {proc.returncode} before a snapshot of step >= {min_step} "
-                         f"with {args.cuts} cut calls was published: {last!r}")  # fmt: skip
-
-
-def freeze_mid_generation(args, proc: subprocess.Popen) -> tuple[dict, set[int]]:
-    """Freeze A right after a snapshot of step >= 1 with cut calls, while it still generates
-    that step (it has not leased the step's batch). A freeze that came too late (a slow poll
-    on a loaded machine) is undone, and a later step's snapshot waited for."""
-    min_step, late = 1, []
-    while True:
-        point = freeze_point(args, proc, min_step)
-        tree = freeze(proc)
-        # Its batch file (or the temporary file of its write) means A leased the step's batch.
-        if not list(args.run_dir.glob(f"batches/step-{point['step'] + 1:06d}.arrow*")):
-            return point | {"too_late_before": late}, tree
-        signal_own(tree, signal.SIGCONT, pgid=proc.pid)
-        late.append(point["snapshot"])
-        min_step = point["step"] + 1
-
-
-def freeze(proc: subprocess.Popen) -> set[int]:
-    """SIGSTOP A's process group and every process under it, until no new one appears (a
-    process started between the listing and the signal is caught by the next round)."""
-    tree: set[int] = set()
-    while True:
-        found = descendants(proc.pid) - tree
-        signal_own(found, signal.SIGSTOP, pgid=proc.pid)
-        if not found:
-            return tree
-        tree |= found
+            held = pauses.wait(proc, deadline)
+        except TimeoutError:
+            raise CheckFailed(f"A: no snapshot of step >= 1 with {args.cuts} cut calls within "
+                              f"{args.phase_timeout:g} s") from None  # fmt: skip
+        if held is None:
+            raise NoFreezeChance(f"A exited {proc.returncode} before a snapshot of step >= 1 "
+                                 f"with {args.cuts} cut calls was published while it still "
+                                 f"generated (judged: {judged[-4:]}): "
+                                 f"{last_line(args, 'A')!r}")  # fmt: skip
+        point = held_point(args, held)
+        leased = bool(point) and bool(
+            list(args.run_dir.glob(f"batches/step-{point['step'] + 1:06d}.arrow*"))
+        )
+        judged.append({"snapshot": held["facts"]["snapshot"],
+                       "cut_calls": len(point["cut_calls"]) if point else None,
+                       "leased": leased})  # fmt: skip
+        if point and len(point["cut_calls"]) >= args.cuts and not leased:
+            tree = session(proc.pid) | descendants(proc.pid)
+            return point | {"too_late_before": late, "held_at": held, "judged": judged}, tree
+        if leased:
+            late.append(point["snapshot"])
+        resume(proc.pid)
 
 
 def actor_pids(name: str) -> list[int]:
@@ -344,9 +343,11 @@ def check(args) -> dict:
     started: list[subprocess.Popen] = []
     tree: set[int] = set()  # A's processes
     try:
-        a = start(args, "A", args.steps, restore=False)
+        pauses = Pauses(args.out / "A.pauses.jsonl", "snapshot_taken",
+                        f"step>=1,step<{args.steps}")  # fmt: skip
+        a = start(args, "A", args.steps, restore=False, pauses=pauses)
         started.append(a)
-        point, tree = freeze_mid_generation(args, a)
+        point, tree = freeze_mid_generation(args, a, pauses)
         frozen, frozen_at = State(args.run_dir), time.monotonic() - t0
         err_at_freeze = (args.out / "A.err").stat().st_size  # A writes nothing while frozen
         # In the middle of generating: the step's batch is not leased yet.

@@ -6,7 +6,10 @@ first) that one process reaches the point, it acts:
 * `kill` (default): SIGKILL every process of the job, as a power cut, an OOM kill of the node
   or a preemption would: no cleanup, no flush, no `finally`;
 * `exit`: `os._exit(137)` in this process only (the rest of the job sees it die);
-* `freeze`: SIGSTOP every process of the job, for a test that inspects it before killing it.
+* `freeze`: SIGSTOP every process of the job, for a test that inspects it before killing it;
+* `pause`: like `freeze`, at the n-th arrival and at every one after it: the test that watches
+  the mark file judges each pause and resumes the job (SIGCONT) or ends it. A check that must
+  act at "a snapshot holding cut calls" waits on the job rather than racing it.
 
 "The job" is every process in the session of the process that reached the point: start the
 job in its own session (`start_new_session=True`), as the crash campaign does. Ray workers and
@@ -19,6 +22,11 @@ pid, time) to that file, fsynced, before it acts: the campaign's proof of where 
 arrivals only from the moment any process reached that anchor: "the first cut after step 1's
 snapshot was published" whatever the timing of the run before it. The anchor process leaves
 `<mark file>.anchor` for the others to see.
+
+A point may carry facts (`crash_point("snapshot_taken", step=2, snapshot=...)`): they go into
+the mark line, and `ROLLOUT_RECOVERY_CRASH_WHEN=<fact><op><int>[,...]` (ops `>= <= == < >`)
+counts only the arrivals whose facts meet every condition (a missing fact meets none): "the
+first snapshot of step 2" is `snapshot_taken@1` when `step==2`, whatever the load.
 
 `ROLLOUT_RECOVERY_CRASH_TRACE=<file>` records every arrival at every point (point, arrival,
 pid, time) without acting: the campaign reads a reference run's trace to choose, per point,
@@ -41,7 +49,9 @@ ENV = "ROLLOUT_RECOVERY_CRASH_AT"
 MARK_ENV = "ROLLOUT_RECOVERY_CRASH_MARK"
 TRACE_ENV = "ROLLOUT_RECOVERY_CRASH_TRACE"
 AFTER_ENV = "ROLLOUT_RECOVERY_CRASH_AFTER"
-ACTIONS = ("kill", "exit", "freeze")
+WHEN_ENV = "ROLLOUT_RECOVERY_CRASH_WHEN"
+ACTIONS = ("kill", "exit", "freeze", "pause")
+_OPS = {">=": int.__ge__, "<=": int.__le__, "==": int.__eq__, "<": int.__lt__, ">": int.__gt__}
 
 # Each point sits right after the durable step it names, in the order one training step
 # reaches them (docs/crash_consistency.md draws the sequence).
@@ -71,6 +81,7 @@ POINTS: dict[str, str] = {
     "step_logged": "trainer: the step's line appended to steps.jsonl",
 }
 _reached: Counter[str] = Counter()
+_qualified: Counter[str] = Counter()  # arrivals whose facts met ROLLOUT_RECOVERY_CRASH_WHEN
 _since_anchor: Counter[str] = Counter()
 _lock = threading.Lock()  # shards write snapshot files from a thread pool
 
@@ -89,8 +100,35 @@ def parse(armed: str) -> tuple[str, int, str]:
     return name, int(nth or 1), action
 
 
-def crash_point(name: str) -> None:
-    """Stop the job here if this point is armed and this is its arrival (a no-op otherwise)."""
+def parse_when(when: str) -> list[tuple[str, str, int]]:
+    """The conditions of a ROLLOUT_RECOVERY_CRASH_WHEN value; ValueError naming the bad one."""
+    out = []
+    for cond in (c.strip() for c in when.split(",") if c.strip()):
+        for op in sorted(_OPS, key=len, reverse=True):
+            fact, found, value = cond.partition(op)
+            if found and fact.strip().isidentifier() and value.strip().lstrip("-").isdigit():
+                out.append((fact.strip(), op, int(value)))
+                break
+        else:
+            raise ValueError(f"{WHEN_ENV}={when!r}: {cond!r} is not <fact><op><int> with an op "
+                             f"of {list(_OPS)}")  # fmt: skip
+    return out
+
+
+def _meets(facts: dict[str, object], when: str | None) -> bool:
+    if not when:
+        return True
+    for fact, op, value in parse_when(when):
+        have = facts.get(fact)
+        if not isinstance(have, int) or not _OPS[op](have, value):
+            return False
+    return True
+
+
+def crash_point(name: str, **facts: object) -> None:
+    """Stop the job here if this point is armed and this is its arrival (a no-op otherwise).
+    `facts` (JSON values) go into the mark line and are what ROLLOUT_RECOVERY_CRASH_WHEN
+    judges."""
     if name not in POINTS:
         raise ValueError(f"unknown crash point {name!r}; known: {list(POINTS)}")
     armed, trace = os.environ.get(ENV), os.environ.get(TRACE_ENV)
@@ -107,14 +145,16 @@ def crash_point(name: str) -> None:
     target, nth, action = parse(armed)
     mark, after = os.environ.get(MARK_ENV), os.environ.get(AFTER_ENV)
     anchor = f"{mark}.anchor" if mark else None
-    fire = False
-    if target == name:
-        if not after:
-            fire = arrival == nth
-        elif anchor and os.path.exists(anchor):
-            with _lock:
+    fire, counted = False, 0
+    if target == name and _meets(facts, os.environ.get(WHEN_ENV)):
+        with _lock:
+            if not after:
+                _qualified[name] += 1
+                counted = _qualified[name]
+            elif anchor and os.path.exists(anchor):
                 _since_anchor[name] += 1
-                fire = _since_anchor[name] == nth
+                counted = _since_anchor[name]
+        fire = counted >= nth if action == "pause" else counted == nth
     if after and anchor and not fire:
         point, n, _ = parse(after)
         if point == name and arrival == n:
@@ -122,11 +162,12 @@ def crash_point(name: str) -> None:
     if not fire:
         return
     if mark:
-        _append(mark, {"point": name, "arrival": nth, "action": action, "pid": os.getpid(),
-                       "time": time.time(), "after": after}, sync=True)  # fmt: skip
+        _append(mark, {"point": name, "arrival": counted, "action": action, "pid": os.getpid(),
+                       "time": time.time(), "after": after, "facts": facts},
+                sync=action != "pause")  # fmt: skip
     if action == "exit":
         os._exit(137)
-    _signal_session(signal.SIGSTOP if action == "freeze" else signal.SIGKILL)
+    _signal_session(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
 
 
 def _append(path: str, record: dict, sync: bool) -> None:
@@ -192,5 +233,5 @@ def _signal_session(sig: int) -> None:
 
 def actor_env_vars() -> dict[str, str]:
     """The armed crash point, its mark file and the trace, for an actor's runtime env."""
-    names = (ENV, MARK_ENV, TRACE_ENV, AFTER_ENV)
+    names = (ENV, MARK_ENV, TRACE_ENV, AFTER_ENV, WHEN_ENV)
     return {k: os.environ[k] for k in names if os.environ.get(k)}

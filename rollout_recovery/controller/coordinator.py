@@ -304,7 +304,11 @@ class CheckpointCoordinator:
             left = max(0.0, t0 + timeout - w0)
             async with asyncio.timeout(left):
                 snap = await publish(records, frozen)
-            crash_point("snapshot_taken")
+            # Facts a check arms its pause or kill on (crashpoints.py): never read otherwise.
+            crash_point("snapshot_taken", step=self.state.step,
+                        snapshot=snap.uri.split("?")[0].rstrip("/").rsplit("/", 1)[-1],
+                        cut_calls=sum(bool(c.tokens) for c in records.continuations.values()),
+                        episodes=len(records.episodes))  # fmt: skip
             timed("write_s", w0)
         except asyncio.CancelledError:  # the cadence stopped (its work ended) mid-attempt
             gate.abort()

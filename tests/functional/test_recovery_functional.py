@@ -76,6 +76,10 @@ def _report(out: Path) -> dict:
     return json.loads((out / "parity.json").read_text())
 
 
+def _name(snapshot_uri: str) -> str:
+    return snapshot_uri.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+
+
 def _decoded_on_qwen3(report: dict) -> bool:
     """Whether the recovered run's trained tokens came from Qwen's vocabulary: ids past the
     tiny Llama's 512 (the run's own batches, not the check's arguments)."""
@@ -102,6 +106,10 @@ def test_prefix_recovery_after_sigkills_at_two_steps_matches_the_reference(prefi
     assert report["violations"] == [] and report["env"] == "notes"
     assert _decoded_on_qwen3(report)
     assert [k["step"] for k in report["kills"]] == [0, 1]
+    # Each kill acted on the pause at the snapshot it chose (its run held itself there).
+    assert [k["held_at"]["facts"]["snapshot"] for k in report["kills"]] == [
+        _name(k["snapshot"]) for k in report["kills"]
+    ]
     # Calls the token log had taken past their snapshot cut resumed from the token log's prefix
     # (the evidence check above held them to it).
     taken = [c for k in report["kills"] for c in k.get("token_log", {}).values()]
@@ -281,6 +289,14 @@ def test_a_stale_owner_thawed_after_a_restore_stops_and_writes_nothing(two_owner
     assert report["violations"] == [] and report["fault"] is None
     a0, b, a1 = report["actors"]
     assert a0["frozen"]["step"] >= 1 and a0["frozen"]["mid_generation"]
+    # A held itself at the snapshot it was frozen after (an event, not a poll's moment).
+    held = a0["frozen"]["held_at"]
+    assert held["point"] == "snapshot_taken" and held["action"] == "pause"
+    assert held["facts"]["snapshot"] == a0["frozen"]["snapshot"]
+    assert held["facts"]["step"] == a0["frozen"]["step"] and held["facts"]["cut_calls"] >= 1
+    assert a0["frozen"]["judged"][-1] == {"snapshot": a0["frozen"]["snapshot"],
+                                          "cut_calls": len(a0["frozen"]["cut_calls"]),
+                                          "leased": False}  # fmt: skip
     assert a0["claim"]["epoch"] < b["claim"]["epoch"]
     assert any(e["kind"] == "publish" for e in b["wrote"]["ownership"])
     assert a1["exit"] not in (0, None) and a1["fenced"]["processes_left"] == []
@@ -302,6 +318,12 @@ def test_asynchronous_grpo_killed_and_restored_keeps_every_invariant(async_run):
     assert max(a for s in report["ages"].values() for a in s.values()) <= 1
     assert report["prefix"]["resumed"] == report["prefix"]["continuations"] >= 2
     assert report["prefix"]["compared_in_training"] > 0
+    # The kill landed where it meant to: held right after the snapshot it chose, of a step
+    # from 1 to steps - 2, whose cut calls were all of the snapshot's own weight version.
+    [kill] = report["kill_points"]
+    assert kill["held_at"]["facts"]["snapshot"] == _name(kill["snapshot"])
+    assert 1 <= kill["held_at"]["facts"]["step"] == kill["step"] <= report["steps"] - 2
+    assert kill["recoverable_cuts"] >= 2 and kill["judged"][-1]["recoverable"] >= 2
     versions = report["logprobs"]
     assert len(versions) >= 2  # tokens of several weight versions were trained
     assert all(v["bit_identical"] == 1.0 for v in versions.values())

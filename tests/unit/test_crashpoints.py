@@ -1,6 +1,7 @@
 """Crash points: the registry matches the code, arming is validated, and each action does what
 it says to a real job of several processes in its own session (kill: all gone; exit: only the
-process that reached it; freeze: all stopped), leaving a mark that names the point."""
+process that reached it; freeze: all stopped; pause: all stopped at each qualifying arrival,
+resumed by the check that watches), leaving a mark that names the point and its facts."""
 
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def _marks(tmp_path: Path) -> list[dict]:
 def test_every_registered_point_is_reached_somewhere_in_the_code_and_only_those():
     called = set()
     for path in (REPO / "rollout_recovery").rglob("*.py"):
-        called |= set(re.findall(r'crash_point\("([a-z_]+)"\)', path.read_text()))
+        called |= set(re.findall(r'crash_point\("([a-z_]+)"[,)]', path.read_text()))
     assert called == set(crashpoints.POINTS)
 
 
@@ -173,3 +174,71 @@ def test_the_crash_consistency_page_lists_every_point_in_the_registry_order():
     page = (REPO / "docs" / "crash_consistency.md").read_text()
     listed = re.findall(r"^\| `([a-z_]+)` \|", page, flags=re.M)
     assert listed == list(crashpoints.POINTS)
+
+
+# Five snapshots of steps 0, 1, 1, 2, 2 (facts as the coordinator passes them), then done.
+SNAPSHOTS = textwrap.dedent(
+    """
+    from rollout_recovery.crashpoints import crash_point
+    for i, step in enumerate([0, 1, 1, 2, 2]):
+        crash_point("snapshot_taken", step=step, snapshot=f"snapshot-{i}", cut_calls=i % 2)
+        print("published", i, flush=True)
+    print("survived", flush=True)
+    """
+)
+
+
+def _snapshots(tmp_path: Path, armed: str, when: str) -> subprocess.Popen:
+    env = os.environ | {crashpoints.ENV: armed, crashpoints.WHEN_ENV: when,
+                        crashpoints.MARK_ENV: str(tmp_path / "mark.jsonl")}  # fmt: skip
+    return subprocess.Popen([sys.executable, "-c", SNAPSHOTS], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO, start_new_session=True)  # fmt: skip
+
+
+def test_kill_at_the_nth_arrival_whose_facts_qualify(tmp_path):
+    """`@2` with `step>=1,cut_calls==1` is the second snapshot of a step >= 1 holding a cut
+    call (snapshot-3), not the second arrival."""
+    proc = _snapshots(tmp_path, "snapshot_taken@2", "step>=1,cut_calls==1")
+    out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == -signal.SIGKILL
+    assert out.split("\n")[:-1] == [f"published {i}" for i in range(3)]
+    [mark] = _marks(tmp_path)
+    assert mark["arrival"] == 2 and mark["facts"]["snapshot"] == "snapshot-3"
+
+
+def test_pause_holds_the_job_at_every_qualifying_arrival_until_it_is_resumed(tmp_path):
+    """The job stops itself (every process) right after each qualifying snapshot and goes on
+    only when resumed: whatever the watcher's speed, it judges every one."""
+    proc = _snapshots(tmp_path, "snapshot_taken:pause", "step>=1,step<2")
+    held = []
+    try:
+        while len(held) < 2:
+            deadline = time.monotonic() + 20
+            while len(_marks(tmp_path)) <= len(held) or _state(proc.pid) != "T":
+                assert time.monotonic() < deadline, "no pause"
+                time.sleep(0.01)
+            held.append(_marks(tmp_path)[-1])
+            time.sleep(0.3)  # a slow watcher: the job waits, stopped
+            assert _state(proc.pid) == "T"
+            os.killpg(proc.pid, signal.SIGCONT)
+        out = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0 and "survived" in out
+    assert [m["facts"]["snapshot"] for m in held] == ["snapshot-1", "snapshot-2"]
+    assert [m["action"] for m in held] == ["pause", "pause"]
+
+
+@pytest.mark.parametrize("when", ["step", "step>=x", "step=>1", ">=1", "step>=1,,cuts<"])
+def test_a_bad_condition_is_refused_naming_the_variable(when):
+    with pytest.raises(ValueError) as err:
+        crashpoints.parse_when(when)
+    assert crashpoints.WHEN_ENV in str(err.value)
+
+
+def test_a_condition_on_a_missing_fact_is_not_met():
+    assert crashpoints._meets({"step": 2}, "step>=2,step<3")
+    assert not crashpoints._meets({"step": 2}, "cut_calls>=0")
+    assert not crashpoints._meets({}, "step>=0")
