@@ -92,7 +92,7 @@ class GroupResult:
     rows: list[ReplayRow]
     rewards: list[float]
     generated_tokens: int
-    results: list  # what each episode function returned (None: finished before a restore)
+    results: list  # what each episode function returned (JSON values, kept with its row)
 
     @classmethod
     def of(cls, group_id: str, outcomes: list[EpisodeOutcome]) -> GroupResult:

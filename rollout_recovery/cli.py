@@ -589,6 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _after_interrupt(command: str) -> str:
+    """What an interrupted command leaves, and the command that goes on from it."""
+    if command in ("train", "gateway"):
+        return (f": the job stopped; its location keeps every published snapshot: continue "
+                f"it with `{command} --restore`")  # fmt: skip
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Expected failures end in one line naming the cause and the fix: a configuration error
     or nothing to inspect exits 2; a refused restore, an existing run, a failed checkpoint
@@ -613,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
         if frames:
             print(textwrap.indent(frames, "  "), file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while this is said
+        print(f"rollout-recovery: interrupted (Ctrl-C){_after_interrupt(args.command)}",
+              file=sys.stderr)  # fmt: skip
+        return 130
     except BrokenPipeError:
         # Output piped into `head` and cut short: not an error (no traceback, as other tools).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -370,7 +370,9 @@ class RolloutCheckpointingConfig(_Block):
 
     keep_latest_k: Int = Field(3, ge=1)
     """Snapshots to keep, newest first. After each checkpoint the newest k that verify stay and
-    older ones are deleted. It also governs trainer-checkpoint retention (TrainingRun, run.py):
+    older ones are deleted, except a directory holding files a kept incremental snapshot lists
+    (its predecessors up to the last full one, `full_snapshot_every`), which stays until none
+    does. It also governs trainer-checkpoint retention (TrainingRun, run.py):
     trainer checkpoints older than the oldest kept snapshot are deleted, and without snapshots
     (`checkpointing.save_data_plane=false`) the newest k + 1 stay. The newest snapshot that verifies
     and the newest trainer checkpoint are never deleted."""

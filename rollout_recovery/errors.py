@@ -37,6 +37,16 @@ class RecoveryError(RuntimeError):
         super().__init__(" ".join(message.split()))
 
 
+class StorageError(OSError, RecoveryError):
+    """A write or read under the checkpoint location failed; the message is one line: what
+    failed and why (`detail`), then what to do (`fix`, where one is known). A RecoveryError
+    too, so a loop catches every expected failure of a run as one kind."""
+
+    def __init__(self, detail: str, fix: str = "") -> None:
+        super().__init__(f"{detail}; {fix}" if fix else detail)
+        self.detail, self.fix = detail, fix
+
+
 class RestoreError(RecoveryError):
     """A restore was refused: nothing usable, another model, a finished run, a wrong level."""
 

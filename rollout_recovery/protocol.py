@@ -382,8 +382,9 @@ class JournalStep(BaseModel):
 
 class EpisodeRecord(BaseModel):
     """An unfinished episode as a checkpoint keeps it: restoring it runs the episode function
-    again as attempt + 1, answering the journal's steps without decoding or running effects,
-    and resumes the call in flight from its cut."""
+    again as a later attempt (+ 1 for the first restore of its snapshot, more for each restore
+    of it after that: restore.attempt_step), answering the journal's steps without decoding or
+    running effects, and resumes the call in flight from its cut."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -474,6 +475,9 @@ class Ledger(BaseModel):
     trainer_checkpoint: str | None = None
     episodes: list[EpisodeRecord] = []
     continuations: dict[str, Continuation] = {}
+    # The settings its records depend on (controller/run_settings.py), compared by a restore
+    # before it touches anything; empty in ledgers written before they were recorded.
+    settings: dict[str, Any] = {}
 
     def holds_unfinished_work(self) -> bool:
         return bool(self.continuations or self.episodes)
@@ -487,4 +491,4 @@ class EpisodeOutcome(NamedTuple):
 
     row: ReplayRow  # its training row (already durable in `replay`)
     decoded_tokens: int  # tokens the engines decoded for it in this run
-    result: Any  # what the episode function returned (None: finished before a restore)
+    result: Any  # what the episode function returned, as its row keeps it (JSON values)

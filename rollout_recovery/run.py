@@ -59,8 +59,9 @@ from rollout_recovery.controller.run_plan import (
     claim_fresh,
     claim_restore,
     paired_steps,
+    started_again,
 )
-from rollout_recovery.controller.selection import DATA_PLANE
+from rollout_recovery.controller.selection import DATA_PLANE, run_has_state
 from rollout_recovery.controller.stream import StartedGroup
 from rollout_recovery.controller.tasks import make_tasks
 from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
@@ -155,13 +156,13 @@ class TrainingRun:
         storage.check_writable()
         plan = None
         if restore:
+            left = run_has_state(storage)
             plan, owner = claim_restore(cfg, storage)
-            if plan is None:
-                print(f"Nothing to restore under {storage.display()}: starting from step 0",
-                      flush=True)  # fmt: skip
         else:
             owner = claim_fresh(storage)
         mine = storage.fenced(Fence.of(storage.child_uri(DATA_PLANE), owner))
+        if restore and plan is None:
+            started_again(mine, owner, left)
         if plan is not None:
             announce(mine, plan)
             step_log.complete(mine, plan.step)
@@ -171,17 +172,26 @@ class TrainingRun:
         t1 = time.monotonic()
         try:
             run.ray_address = ray_address
-            if kept is None or kept.controller is None:  # a new controller (on kept engines)
-                engines, standby = (kept.engines, kept.standby) if kept else (None, None)
-                run.rollouts, run.engines = SingleController(cfg, ray_address, owner, engines,
-                                                             standby)  # fmt: skip
-            else:  # the halted controller, built again around its engines
-                run.rollouts, run.engines, run.standby = kept.controller, kept.engines, kept.standby
-                kept.controller.restart(owner)
-            run._notices.start()  # after Ray's start, which installs a SIGTERM handler of its own
+            # Before Ray's start (init_ray keeps this handler over Ray's): a notice while the
+            # job starts ends the start at once, with nothing published.
+            run._notices.start()
+            with run._notices.interruptible():
+                if kept is None or kept.controller is None:  # a new controller (on kept engines)
+                    engines, standby = (kept.engines, kept.standby) if kept else (None, None)
+                    run.rollouts, run.engines = SingleController(cfg, ray_address, owner,
+                                                                 engines, standby)  # fmt: skip
+                else:  # the halted controller, built again around its engines
+                    run.rollouts, run.engines = kept.controller, kept.engines
+                    run.standby = kept.standby
+                    kept.controller.restart(owner)
             t2 = time.monotonic()
             if plan is not None:
                 run.restored = run.rollouts.restore(plan.choice.snapshot)
+        except Preempted as err:
+            run.close()
+            print(f"preempted ({err.notice}) while the job was starting: nothing was published "
+                  "by this start; continue the run with `train --restore`", flush=True)  # fmt: skip
+            raise
         except BaseException:
             run.close()
             raise
@@ -326,11 +336,13 @@ class TrainingRun:
         with contextlib.suppress(RecoveryError, OSError):  # the line below says it either way
             step_log.append(self.storage, event)
         if "failed" in out:
-            held = "snapshot and the token log" if self.cfg.token_capture.log_interval_tokens else (
-                "snapshot")  # fmt: skip
+            held = "snapshot holds"
+            if self.cfg.token_capture.log_interval_tokens:
+                held = "snapshot and the token log hold"
             print(f"preempted ({notice}): the final checkpoint did not finish within "
                   f"preemption.grace_s={grace:g} ({out['failed']}); the last published {held} "
-                  "still hold the run: continue it with `train --restore`", flush=True)  # fmt: skip
+                  "the run (none published: the run starts again from step 0): continue it "
+                  "with `train --restore`", flush=True)  # fmt: skip
             return
         print(f"preempted ({notice}): {out.get('held', 0)} calls in flight held, "
               f"{out.get('calls_cut', 0)} cut; snapshot {out['checkpoint']} published in "

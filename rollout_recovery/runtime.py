@@ -7,8 +7,10 @@ and loop ownership are decided in one place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import ray
@@ -31,7 +33,29 @@ def init_ray(
     kwargs: dict = {"include_dashboard": False, "log_to_driver": log_to_driver}
     if address == "local" and num_cpus is not None:
         kwargs["num_cpus"] = num_cpus
-    ray.init(address=address, **kwargs)
+    with _sigterm_kept():
+        ray.init(address=address, **kwargs)
+
+
+@contextlib.contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Ray's start replaces the SIGTERM handler (its Python one exits 15; one its core
+    installs while starting aborts with a C++ stack): keep a Python handler the process had (a
+    run's preemption watch, preemption.py), else put Ray's Python one back in force. SIGTERM is
+    blocked meanwhile, so a notice that comes during the start reaches that handler once it is
+    in place, and the threads Ray starts inherit the block: only the main thread takes it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.getsignal(signal.SIGTERM)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        after = signal.getsignal(signal.SIGTERM)
+        keep = before if callable(before) else after if callable(after) else signal.SIG_DFL
+        signal.signal(signal.SIGTERM, keep)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def actor_class(cls: type, **options: Any) -> Any:

@@ -46,7 +46,7 @@ from rollout_recovery.data_plane.filesystem import (
     sync_file,
 )
 from rollout_recovery.data_plane.ownership import Fence, OwnerFenced, OwnershipWatch
-from rollout_recovery.errors import RecoveryError
+from rollout_recovery.errors import StorageError
 
 TMP_MARK = ".tmp-"  # in the name of a file being written, before it is moved into place
 # How long a write that failed like an outage is tried again before the run gives up on it.
@@ -59,16 +59,6 @@ TRANSIENT_MESSAGES = ("NETWORK_CONNECTION", "SlowDown", "Service Unavailable", "
                       "timed out", "Timeout")  # fmt: skip
 AFTER_FAILURE = "fix the storage, then continue the run with `--restore` (nothing was deleted)"
 log = logging.getLogger(__name__)
-
-
-class StorageError(OSError, RecoveryError):
-    """A write or read under the checkpoint location failed; the message is one line: what
-    failed and why (`detail`), then what to do (`fix`, where one is known). A RecoveryError
-    too, so a loop catches every expected failure of a run as one kind."""
-
-    def __init__(self, detail: str, fix: str = "") -> None:
-        super().__init__(f"{detail}; {fix}" if fix else detail)
-        self.detail, self.fix = detail, fix
 
 
 class RunStorage:

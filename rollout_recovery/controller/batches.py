@@ -40,6 +40,7 @@ def batch_bytes(table: pa.Table) -> bytes:
 
 
 def results_json(results: list) -> bytes:
-    """What each episode function returned, by replay key (None: finished before a restore)."""
+    """What each episode function returned, by replay key (None only in rows written before
+    results were kept with them)."""
     out = {r.key: s for g in results for r, s in zip(g.rows, g.results, strict=True)}
     return json.dumps(out, sort_keys=True).encode()

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from rollout_recovery.config import CheckpointCoordinatorConfig
 from rollout_recovery.controller import liveness
@@ -93,8 +93,11 @@ class CheckpointCoordinator:
         storage: RunStorage,
         metrics: RunMetrics,
         owner: Owner | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.state, self.store, self.workers = cfg, state, store, workers
+        # The run's settings its records depend on (run_settings.py), in every ledger.
+        self.settings = settings or {}
         # Held through each attempt: a replacement worker joins only between attempts.
         self.between_attempts = asyncio.Lock()
         self.env, self.storage, self.metrics = env, storage, metrics
@@ -202,6 +205,7 @@ class CheckpointCoordinator:
             trainer_checkpoint=self.state.trainer_checkpoint,
             episodes=records.episodes,
             continuations=records.continuations,
+            settings=self.settings,
         )
 
     async def attempt(self, reason: str, timeout_s: float | None = None) -> dict | None:

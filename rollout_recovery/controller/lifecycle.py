@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from rollout_recovery.config import RolloutRecoveryConfig
+from rollout_recovery.controller import run_settings
 from rollout_recovery.controller.coordinator import CheckpointCoordinator
 from rollout_recovery.controller.evidence import EvidenceLog
 from rollout_recovery.controller.selection import DATA_PLANE
@@ -127,7 +128,7 @@ def start_job(
         rr.env = _start_environment(rr)
     rr.coordinator = CheckpointCoordinator(cfg.checkpoint_config(), rr.state, rr.store,
                                            rr.workers, rr.env, rr.storage, rr.metrics,
-                                           rr.owner)  # fmt: skip
+                                           rr.owner, run_settings.of(cfg))  # fmt: skip
     if cfg.gateway.enabled and not standalone_gateway:
         rr.gateway_token = secrets.token_urlsafe(24)
         rr.gateway_url = rr.env.start_gateway(rr.gateway_token)

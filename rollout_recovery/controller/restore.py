@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller.selection import restore_snapshot
 from rollout_recovery.controller.token_log_restore import extend_from_token_log
+from rollout_recovery.data_plane import SnapshotError, ownership
+from rollout_recovery.data_plane.filesystem import resolve
+from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.protocol import EpisodeRecord
 from rollout_recovery.storage import RunStorage
 
@@ -49,21 +52,42 @@ def restore_run(rr: RolloutRecovery, snapshot: str | None, mode: str | None) -> 
     restore_id = f"restore-{time.time_ns()}"
     rr.env.begin_restore(restore_id)  # refused once calls were served
     episodes: list[EpisodeRecord] = []
+    step = 1
     try:
         where = (rr.coordinator.cfg, rr.store, rr.coordinator.snapshot_root)
         chosen = restore_snapshot(*where, rr.state.model, snapshot, mode)
         if chosen is None:
             return None
         episodes = chosen.ledger.episodes
+        step = attempt_step(rr.coordinator.snapshot_root, chosen.snapshot, rr.owner)
         token_log = _extend_and_log(rr, restore_id, chosen.snapshot, episodes,
                                     chosen.ledger.weight_version)  # fmt: skip
     finally:
-        rr.env.end_restore(restore_id, episodes)
+        rr.env.end_restore(restore_id, episodes, step)
     rr.state.step = chosen.ledger.step
     rr.state.trainer_checkpoint = chosen.ledger.trainer_checkpoint
     return chosen.ledger.model_dump(mode="json") | {"snapshot": chosen.snapshot,
                                                     "skipped": chosen.skipped,
                                                     "token_log": token_log}  # fmt: skip
+
+
+def attempt_step(root: str, snapshot: str, owner: Owner | None) -> int:
+    """How far a restore moves each restored episode's attempt past its record's: the owner
+    epochs between the snapshot's publisher and this restore (at least 1). Two restores of one
+    snapshot claim different epochs, so their attempts differ and the engines keep one record
+    per attempt, never two tries merged into one (the attempt minus the epoch stays the same
+    along a run's restores)."""
+    if owner is None or owner.epoch == 0:
+        return 1
+    name = snapshot.split("?")[0].rstrip("/").rsplit("/", 1)[-1]
+    try:
+        fs, path = resolve(root)
+        published = ownership.read_log(fs, path).publications().get(name)
+    except (OSError, SnapshotError, ValueError):  # unreadable now: it was read to choose it
+        published = None
+    if published is None:
+        return 1
+    return max(1, owner.epoch - published[1].epoch)
 
 
 def _extend_and_log(
@@ -74,7 +98,9 @@ def _extend_and_log(
     weights or older), counted and logged to RESTORES_LOG (a failed write loses only
     evidence, never the restore)."""
     tc = rr.cfg.token_capture
-    if not tc.log_uri or not episodes:
+    # Below prefix level a restore keeps no call in flight (level table, docs/restore.md):
+    # the token log then serves only moves off a dead worker within the run.
+    if not tc.log_uri or not episodes or rr.cfg.rollout_recovery.target_level != "prefix":
         return {}
     ext = extend_from_token_log(episodes, rr.store, tc.staging_partition, tc.log_uri,
                                 weight_version)  # fmt: skip

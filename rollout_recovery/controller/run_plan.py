@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from rollout_recovery.config import RolloutRecoveryConfig
-from rollout_recovery.controller import step_log, trainer_checkpoints
+from rollout_recovery.controller import run_settings, step_log, trainer_checkpoints
 from rollout_recovery.controller.selection import (
     DATA_PLANE,
     SnapshotChoice,
@@ -60,8 +60,9 @@ class RestorePlan:
 
 def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan | None:
     """Choose the snapshot to restore and verify everything it needs, from files only: None
-    when the location holds no run at all; RestoreError when it holds one that cannot be
-    restored (the reasons listed, nothing deleted)."""
+    when the location holds no work (no published snapshot and no trainer checkpoint: the run
+    starts again from step 0, whatever else it left); RestoreError when it holds work that
+    cannot be restored (the reasons listed, nothing deleted)."""
     identity = base_model_identity(cfg.policy.model_path, resolve_model_path(cfg.policy.model_path))
 
     def accept(uri: str, ledger: Ledger) -> dict:
@@ -77,14 +78,20 @@ def plan_restore(cfg: RolloutRecoveryConfig, storage: RunStorage) -> RestorePlan
     root = storage.child_uri(DATA_PLANE)
     choice = select_snapshot(root, rc.restore_mode, cfg.rollout_recovery.target_level, accept)
     if choice is None:
-        found = run_has_state(storage)
-        if found:
+        # No published snapshot. Without a trainer checkpoint either the run's records hold
+        # no work (a step log, an unpublished snapshot's directory, ownership entries): the
+        # restore starts it from step 0 as the next owner, its history kept (None).
+        if "trainer checkpoints" in run_has_state(storage):
             raise RestoreError(
-                f"{storage.display()} holds a run ({', '.join(found)}) but no published "
-                "snapshot to restore (checkpointing.save_data_plane=true keeps them); nothing "
+                f"{storage.display()} holds trainer checkpoints but no published snapshot to "
+                "restore them with (checkpointing.save_data_plane=true keeps them); nothing "
                 "was deleted. Start a new run on purpose in another checkpointing.checkpoint_dir"
             )
         return None
+    diff = run_settings.changed(choice.ledger.settings, cfg)
+    if diff:
+        raise RestoreError(run_settings.refusal(storage.display(), snapshot_name(choice.snapshot),
+                                                diff))  # fmt: skip
     step = choice.ledger.step
     if step >= cfg.grpo.steps:
         repaired = step_log.complete(storage, step)
@@ -214,6 +221,19 @@ def announce(storage: RunStorage, plan: RestorePlan) -> None:
     if aside is not None:
         event["set_aside"] = {"where": aside.shown, "files": aside.files}
     step_log.append(storage, event)
+
+
+def started_again(storage: RunStorage, owner: Owner, left: list[str]) -> None:
+    """A restore of a location that holds no work: say so, and log it when the location has
+    a history (its step log keeps the earlier lines)."""
+    if not left:
+        print(f"Nothing to restore under {storage.display()}: starting from step 0", flush=True)
+        return
+    print(f"No published snapshot or trainer checkpoint under {storage.display()} (it holds "
+          f"{', '.join(left)}): the run starts again from step 0 as owner epoch {owner.epoch}, "
+          "its history kept", flush=True)  # fmt: skip
+    step_log.append(storage, {"event": "started_again", "step": 0, "epoch": owner.epoch,
+                              "held": left})  # fmt: skip
 
 
 def paired_steps(storage: RunStorage) -> list[int] | None:

@@ -12,7 +12,9 @@ zeros that a trainer would take for real values.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -80,10 +82,11 @@ TERMINAL_ROW_SCHEMA = _schema(
 
 # v2: nullable logprobs (training refuses a row without them). v3: weight_versions, the spans
 # of the generated tokens at their positions in token_ids (null: the worker reported none, and
-# weight_version_min/max are the version the episode was started on).
+# weight_version_min/max are the version the episode was started on). v4: result_json, what
+# the episode function returned (JSON; null in rows written before v4).
 REPLAY_ROW_SCHEMA = _schema(
     "replay_row",
-    3,
+    4,
     [
         pa.field("rollout_id", pa.string(), nullable=False),
         pa.field("group_id", pa.string(), nullable=False),
@@ -96,6 +99,7 @@ REPLAY_ROW_SCHEMA = _schema(
         pa.field("weight_version_min", pa.int64(), nullable=False),
         pa.field("weight_version_max", pa.int64(), nullable=False),
         pa.field("weight_versions", _SPANS),
+        pa.field("result_json", pa.string()),
     ],
 )
 
@@ -147,7 +151,7 @@ def check_version(kind: str, version: int | None, where: str) -> None:
 # Columns added after version 1, per row kind: rows of an older version get them as nulls.
 ADDED_COLUMNS: dict[str, dict[str, int]] = {
     "chunk_row": {"finish_reason": 2, "stop_reason_json": 2, "weight_versions": 3},
-    "replay_row": {"weight_versions": 3},
+    "replay_row": {"weight_versions": 3, "result_json": 4},
 }
 
 
@@ -312,6 +316,14 @@ class ReplayRow:
     weight_version_min: int
     weight_version_max: int
     weight_versions: list[Span] | None = None  # of the generated tokens, at their positions
+    # What the episode function returned, as JSON: kept with the row, so a run restored after
+    # the episode finished reports the same result as one that never crashed (None: a row
+    # written before results were kept).
+    result_json: str | None = None
+
+    @property
+    def result(self) -> Any:
+        return None if self.result_json is None else json.loads(self.result_json)
 
 
 def chunk_rows_to_table(rows: list[ChunkRow]) -> pa.Table:
@@ -469,6 +481,8 @@ def replay_rows_to_table(rows: list[ReplayRow]) -> pa.Table:
             arrays.append(list_array(values, dtype, nullable_rows=f.name == "logprobs"))
         elif f.name == "weight_versions":
             arrays.append(spans_array([r.weight_versions for r in rows]))
+        elif f.name == "result_json":
+            arrays.append(pa.array([r.result_json for r in rows], pa.string()))
         else:
             arrays.append(pa.array([getattr(r, f.name) for r in rows], types[f.name]))
     return pa.Table.from_arrays(arrays, schema=REPLAY_ROW_SCHEMA)
@@ -480,11 +494,13 @@ def table_to_replay_rows(table: pa.Table) -> list[ReplayRow]:
     lists = {n: list_rows(table, n) for n in ("token_ids", "loss_mask")}
     lists["logprobs"] = _nullable_list_rows(table, "logprobs")
     spans = spans_rows(table)
+    results = table.column("result_json").to_pylist()
     return [
         ReplayRow(
             **{n: sc[n][i] for n in _REPLAY_SCALARS},
             **{n: lists[n][i] for n in lists},
             weight_versions=spans[i],
+            result_json=results[i],
         )
         for i in range(table.num_rows)
     ]

@@ -167,15 +167,15 @@ class EnvironmentClient:
     def begin_restore(self, restore_id: str) -> None:
         self._get_all(self._refs("begin_restore", restore_id))
 
-    def end_restore(self, restore_id: str, records: list[EpisodeRecord]) -> int:
-        """Each actor takes the records of its own rollouts; how many episodes are
-        unfinished, over all actors."""
+    def end_restore(self, restore_id: str, records: list[EpisodeRecord], step: int = 1) -> int:
+        """Each actor takes the records of its own rollouts, to go on as attempt + `step`; how
+        many episodes are unfinished, over all actors."""
         n = len(self.actors)
         mine: list[list[EpisodeRecord]] = [[] for _ in range(n)]
         for rec in records:
             mine[environment_of(rec.rollout_id, n)].append(rec)
         pairs = zip(self.actors, mine, strict=True)
-        refs = [actor.end_restore.remote(restore_id, recs) for actor, recs in pairs]
+        refs = [actor.end_restore.remote(restore_id, recs, step) for actor, recs in pairs]
         return sum(self._get_all(refs))
 
     # ---------------------------------------------------------------- workers

@@ -112,10 +112,10 @@ class EpisodeState:
         )
 
     @classmethod
-    def from_record(cls, rec: EpisodeRecord, entries) -> EpisodeState:
-        """The restored episode, to replay as attempt + 1; `entries` looks a TokenEntry up by
-        id. A missing entry or one whose payload differs from the committed one raises
-        RecordError."""
+    def from_record(cls, rec: EpisodeRecord, entries, step: int = 1) -> EpisodeState:
+        """The restored episode, to replay as attempt + `step` (distinct per restore of one
+        record); `entries` looks a TokenEntry up by id. A missing entry or one whose payload
+        differs from the committed one raises RecordError."""
         if rec.format != EPISODE_RECORD_FORMAT:
             raise RecordError("record_format", f"{rec.format!r} is not {EPISODE_RECORD_FORMAT}")
         turns = []
@@ -126,14 +126,14 @@ class EpisodeState:
             if entry.payload_sha256() != t.payload_sha256:
                 raise RecordError("entry_digest_mismatch", f"{t.entry_id} was changed")
             turns.append(entry)
-        return cls(**_identity(rec), attempt=rec.attempt + 1, restarts=rec.restarts,
+        return cls(**_identity(rec), attempt=rec.attempt + step, restarts=rec.restarts,
                    replay=list(rec.journal), replay_turns=turns,
                    continuation=rec.continuation)  # fmt: skip
 
     @classmethod
-    def restart(cls, rec: EpisodeRecord) -> EpisodeState:
-        """A record's episode from the top, nothing kept, as a fresh start."""
-        return cls(**_identity(rec), attempt=rec.attempt + 1, restarts=rec.restarts + 1)
+    def restart(cls, rec: EpisodeRecord, step: int = 1) -> EpisodeState:
+        """A record's episode from the top, nothing kept, as a fresh start (attempt + `step`)."""
+        return cls(**_identity(rec), attempt=rec.attempt + step, restarts=rec.restarts + 1)
 
 
 def _identity(rec: EpisodeRecord) -> dict[str, Any]:
@@ -142,7 +142,9 @@ def _identity(rec: EpisodeRecord) -> dict[str, Any]:
                                    "task"})  # fmt: skip
 
 
-def replay_row(ep: EpisodeState, reward: float, weight_version: int) -> ReplayRow:
+def replay_row(
+    ep: EpisodeState, reward: float, weight_version: int, result_json: str | None = None
+) -> ReplayRow:
     """The training row of a finished episode: the last call's prompt and generated tokens,
     with the loss mask, logprobs and weight-version spans on every turn's generated tokens.
     Each turn's tokens must sit where the next call's prompt put them, otherwise the episode
@@ -183,4 +185,5 @@ def replay_row(ep: EpisodeState, reward: float, weight_version: int) -> ReplayRo
         weight_version_min=oldest,
         weight_version_max=newest,
         weight_versions=spans,
+        result_json=result_json,
     )

@@ -10,6 +10,7 @@ failure, raised with its traceback.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -128,4 +129,24 @@ def reward_of(
         raise UserCodeError(
             f"{what} returned {short_repr(result)} ({type(result).__name__}) {where}, which "
             f"is not a number; {fix}"
+        ) from None
+
+
+def result_json(
+    cfg: EnvironmentActorConfig, st: EpisodeState, fn: Callable, configured: bool, result: Any
+) -> str:
+    """What episode `st`'s function returned, as the JSON its training row keeps (a restored
+    run reports it like an uninterrupted one); a value JSON cannot hold names the function."""
+    what = f"environment.episode={cfg.environment.episode}"
+    if not configured:
+        what = f"episode function {callable_name(fn)}"
+    try:
+        return json.dumps(result, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise UserCodeError(
+            f"{what} returned {short_repr(result)} ({type(result).__name__}) for episode "
+            f"{st.rollout_id} (attempt {st.attempt}), which JSON cannot hold ({err}): its "
+            "result is kept with the episode's training row, so return JSON values (dict, "
+            "list, str, number, bool, None), then continue the run with `train --restore` "
+            "(nothing was deleted)"
         ) from None

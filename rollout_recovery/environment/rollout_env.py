@@ -87,22 +87,23 @@ class RolloutEnvironment:
         """Refused once this environment has served calls (their effects would mix in)."""
         self._loop.call(self.runner.participant.restore, restore_id)
 
-    def end_restore(self, restore_id: str, records: list[EpisodeRecord]) -> int:
+    def end_restore(self, restore_id: str, records: list[EpisodeRecord], step: int = 1) -> int:
         """Load the episode records of a restored snapshot (their token entries come from
-        the restored store); returns how many episodes are unfinished. A record that cannot
-        be restored exactly fails closed: its episode starts over, counted by reason. Chunk
-        rows the records do not name belonged to calls that are gone: they are deleted."""
+        the restored store); returns how many episodes are unfinished. Each goes on as its
+        record's attempt + `step` (restore.attempt_step: distinct per restore). A record that
+        cannot be restored exactly fails closed: its episode starts over, counted by reason.
+        Chunk rows the records do not name belonged to calls that are gone: they are deleted."""
         entries = self.sink.get_many([t.entry_id for rec in records for t in rec.turns])
         episodes = []
         for rec in records:
             if rec.turns and faults.active("redecode_committed_turns"):
-                episodes.append(EpisodeState.restart(rec))
+                episodes.append(EpisodeState.restart(rec, step))
                 continue
             try:
-                episodes.append(EpisodeState.from_record(rec, entries.get))
+                episodes.append(EpisodeState.from_record(rec, entries.get, step))
             except RecordError as err:
                 self.refused[f"restore_refused.{err.reason}"] += 1
-                episodes.append(EpisodeState.restart(rec))
+                episodes.append(EpisodeState.restart(rec, step))
         return self._loop.run(self.runner.load(restore_id, episodes))
 
     def worker_lost(self, index: int, cause: str) -> None:

@@ -37,7 +37,7 @@ from rollout_recovery.environment.checkpointing import EnvironmentCheckpoints
 from rollout_recovery.environment.context import EpisodeContext, JournalDiverged
 from rollout_recovery.environment.dispatch import CallDispatcher
 from rollout_recovery.environment.episode import EpisodeState, replay_row
-from rollout_recovery.environment.failures import episode_failure, reward_of
+from rollout_recovery.environment.failures import episode_failure, result_json, reward_of
 from rollout_recovery.environment.participant import CheckpointParticipant
 from rollout_recovery.environment.token_sink import StoreTokenSink
 from rollout_recovery.generation.pool import WorkerPool
@@ -147,7 +147,8 @@ class EpisodeRunner:
 
     async def _existing(self, key: str) -> EpisodeOutcome:
         table, _ = await self.store.aget("replay", [key])
-        return EpisodeOutcome(table_to_replay_rows(table)[0], 0, None)
+        row = table_to_replay_rows(table)[0]
+        return EpisodeOutcome(row, 0, row.result)
 
     def _context(self, st: EpisodeState) -> EpisodeContext:
         url = f"{self.gateway_url}/rollouts/{st.rollout_id}/v1" if self.gateway_url else None
@@ -203,7 +204,9 @@ class EpisodeRunner:
             self.counts["restored_episodes"] += 1
         try:
             st, result = await self._run_function(st, fn or self.episode_fn)
-            row = replay_row(st, reward_of(self.cfg, self.reward_fn, st, result), weight_version)
+            kept = result_json(self.cfg, st, fn or self.episode_fn, fn is None, result)
+            reward = reward_of(self.cfg, self.reward_fn, st, result)
+            row = replay_row(st, reward, weight_version, kept)
             # Durable as soon as it is finished: a crash later does not regenerate it.
             await self.store.aput("replay", replay_rows_to_table([row]))
             crash_point("replay_row_written")
@@ -213,7 +216,8 @@ class EpisodeRunner:
             self.contexts.pop(st.rollout_id, None)
             self.calls.drop(st.rollout_id)
             self.events += 1
-        return EpisodeOutcome(row, st.decoded, result)
+        # What was returned, as the row keeps it: a restored run reports the same (JSON) value.
+        return EpisodeOutcome(row, st.decoded, row.result)
 
     def serve_gateway(self, url: str, token: str) -> None:
         """Episodes started from now on see their rollout's gateway URL and the token."""

@@ -19,11 +19,14 @@ import pyarrow as pa
 
 from rollout_recovery.data_plane.schemas import TOKEN_ENTRY_ROW_SCHEMA, list_array, list_rows
 from rollout_recovery.environment.token_entry import TokenEntry, read_token_entry
+from rollout_recovery.errors import RecoveryError
 from rollout_recovery.protocol import incomplete_key, is_incomplete_key
 
 
-class ConflictingEntryError(ValueError):
-    """A different TokenEntry already exists under this id."""
+class ConflictingEntryError(RecoveryError, ValueError):
+    """A different TokenEntry already exists under this id: the location's records name this
+    call otherwise (a restore under other settings than the run's, which run_settings.py
+    refuses first, or a bug). One line, like every RecoveryError."""
 
 
 class TokenSink(Protocol):
@@ -36,8 +39,11 @@ class TokenSink(Protocol):
 
 def _conflict(entry_id: str) -> ConflictingEntryError:
     return ConflictingEntryError(
-        f"a different TokenEntry already exists for {entry_id}; entries are immutable "
-        "(use a new attempt number for a regenerated call)"
+        f"a different TokenEntry already exists for {entry_id}: the run's records hold this "
+        "call with other tokens, and entries are immutable (a regenerated call takes a new "
+        "attempt number); nothing was overwritten. Continue the run with the settings it was "
+        "started with (`train --restore`), or start a new run in another "
+        "checkpointing.checkpoint_dir"
     )
 
 

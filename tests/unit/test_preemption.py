@@ -161,7 +161,8 @@ def test_a_final_checkpoint_that_fails_says_what_still_holds_the_run(tmp_path, c
         "preempted (SIGTERM): the final checkpoint did not finish within "
         "preemption.grace_s=25 (took longer than the 3.0 s it was given)"
     )
-    assert "the last published snapshot and the token log still hold the run" in out
+    assert "the last published snapshot and the token log hold the run (none published" in out
+    assert "starts again from step 0): continue it with `train --restore`" in out
     assert out.count("\n") == 1 and _events(tmp_path)[0]["failed"]
 
 

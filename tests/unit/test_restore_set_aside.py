@@ -62,6 +62,7 @@ class Run:
         self.model = torch.nn.Linear(4, 3)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=0.1)
         self.last: tuple[str, list[FileEntry]] | None = None  # the newest snapshot's files
+        self.settings: dict = {}  # the ledgers' run settings (controller/run_settings.py)
 
     def step(self, step: int, owner, tag: str, incremental: bool = False) -> str:
         """Train one step and checkpoint it; returns the snapshot's directory name."""
@@ -98,7 +99,7 @@ class Run:
         ledger = Ledger(step=step, weight_version=step, reason="trainer_checkpoint", level="none",
                         model=ServedModel(base={"path": MODEL_PATH, "sha256": None},
                                           weight_version=step, weights_sha256=None),
-                        trainer_checkpoint=paired)  # fmt: skip
+                        trainer_checkpoint=paired, settings=self.settings)  # fmt: skip
         sidecar = write_sidecar(self.fs, path, LEDGER, ledger.to_json())
         body = ManifestBody(snapshot_id=name.rsplit("-", 1)[1], seq=seq, created_at=now_iso(),
                             num_shards=1, partitions={"replay": kind}, files=files, leases=[],

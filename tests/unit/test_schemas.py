@@ -143,7 +143,7 @@ def test_token_columns_are_read_as_numpy_views():
 
 def test_every_schema_is_versioned():
     versions = {kind: schema_version(schema) for kind, schema in SCHEMAS.items()}
-    assert versions == {"chunk_row": 3, "terminal_row": 2, "replay_row": 3, "token_entry_row": 1}
+    assert versions == {"chunk_row": 3, "terminal_row": 2, "replay_row": 4, "token_entry_row": 1}
     assert TERMINAL_ROW_SCHEMA.field("token_ids").type == pa.list_(pa.int32())
     assert TERMINAL_ROW_SCHEMA.field("logprobs").type == pa.list_(pa.float32())
 
