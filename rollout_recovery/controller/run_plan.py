@@ -141,8 +141,9 @@ def claim_fresh(storage: RunStorage) -> Owner:
     if found:
         raise RunExistsError(
             f"checkpointing.checkpoint_dir={storage.display()} already holds a run "
-            f"({', '.join(found)}); continue it with `train --restore`, or choose another "
-            "checkpointing.checkpoint_dir (nothing was deleted)"
+            f"({', '.join(found)}); continue it with `train --restore` once the process that "
+            "wrote it has stopped (a restore takes the run over and fences a copy still "
+            "running), or choose another checkpointing.checkpoint_dir (nothing was deleted)"
         )
     try:  # only as the location's first owner: another run may own it or be starting
         return StagingStore.claim(storage.child_uri(DATA_PLANE), first=True)
