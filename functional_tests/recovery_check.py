@@ -269,9 +269,10 @@ def retry_dir(run_dir: str) -> str:
     return str(Path(run_dir).with_name(Path(run_dir).name + "-retry"))
 
 
-def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
+def kill_phase(args, run_dir: str, k: int, min_step: int, below: int | None = None) -> dict:
     """Run (fresh for k == 1, else --restore) held after each published snapshot of a step in
-    [min_step, kill_before) (pauses.py) until one holds --cuts recoverable items; then, with
+    [min_step, `below`) (default: the check's kill_before, else --steps; pauses.py) until one
+    holds --cuts recoverable items; then, with
     the controller still held (nothing newer is published), let the rest decode for a random
     fraction of a snapshot interval, freeze all but the engines' actors, read what the engines
     decoded, freeze everything, SIGKILL, check no survivors."""
@@ -281,8 +282,8 @@ def kill_phase(args, run_dir: str, k: int, min_step: int) -> dict:
     log = open(log_path, "w")  # noqa: SIM115 - open for the child's lifetime
     restore = ["--restore"] if k > 1 else []
     what = f"phase {k} (`train{' --restore' if restore else ''}`)"
+    last = below if below is not None else getattr(args, "kill_before", args.steps)
     before = len(checkpoint_records(run_dir))
-    last = getattr(args, "kill_before", args.steps)  # a check's own last kill step
     pauses = Pauses(args.out / f"phase{k}.pauses.jsonl", "snapshot_taken",
                     f"step>={min_step},step<{last}")  # fmt: skip
     proc = subprocess.Popen(
@@ -814,9 +815,12 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
     )
     args.reference_s = time.monotonic() - t0
     kills = []
-    for k, min_step in enumerate(kill_steps(args), start=1):
+    lows = kill_steps(args)
+    for k, min_step in enumerate(lows, start=1):
+        # Each kill in a step of its own: a kill before the last lands below the next one's.
+        below = lows[k] if k < len(lows) else None
         try:
-            kills.append(kill_phase(args, rec_dir, k, min_step))
+            kills.append(kill_phase(args, rec_dir, k, min_step, below))
         except NoKillChance as err:
             # A timing precondition of the check, not a recovery failure: the first phase ran
             # through before a snapshot qualified (slow snapshots on a loaded machine). Once,
@@ -826,7 +830,7 @@ def check(args, ref_dir: str, rec_dir: str) -> int:
             print(f"{err}; running phase 1 again in a fresh location", flush=True)
             args.phase1_retries += 1
             rec_dir = retry_dir(rec_dir)
-            kills.append(kill_phase(args, rec_dir, k, min_step))
+            kills.append(kill_phase(args, rec_dir, k, min_step, below))
     # Kept for --from-kill: the reference and the state the last kill left, on local disk.
     for run_dir, name in ((ref_dir, "reference"), (rec_dir, "killed")):
         copy_run(run_dir, str(args.out / "saved" / name))
