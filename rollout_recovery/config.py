@@ -274,7 +274,9 @@ class TokenCaptureConfig(_Block):
     """Keep the token log: every in-flight call's K new tokens become the next chained chunk
     row in the staging store, without a fence (docs/failover.md). A worker that dies then
     loses at most about K tokens per call, and its calls continue on a live worker from the
-    token log. None: no token-count trigger."""
+    token log. A whole-job restore also continues calls in flight from it, at
+    `rollout_recovery.target_level=prefix` only: below it they are generated again from their
+    first token, as the level says. None: no token-count trigger."""
 
     log_interval_s: Float | None = Field(None, gt=0.0)
     """Also log a call whose newest durable row is older than this many seconds (a slow call

@@ -69,6 +69,20 @@ def _requests(client: httpx.AsyncClient, url: str, rollouts: list[str]) -> list[
     ]
 
 
+async def _decoding(worker, rollouts: list[str], timeout_s: float = 120.0) -> None:
+    """Wait until the engine has sampled a token of every call (its own attempt records say
+    so): a cut that comes before finds nothing to cut, and a fixed sleep was that on a loaded
+    machine."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        page = await worker.acall_attempts(0)
+        started = {a["rollout_id"] for a in page["attempts"] if a["decoded_tokens"] > 0}
+        if set(rollouts) <= started:
+            return
+        assert time.monotonic() < deadline, f"not decoding: {sorted(set(rollouts) - started)}"
+        await asyncio.sleep(0.05)
+
+
 def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
     worker, store, flag = slow_worker
     rollouts = [f"dl-{i}" for i in range(4)]
@@ -80,7 +94,7 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
     async def scenario():
         async with httpx.AsyncClient() as client:
             tasks = _requests(client, worker.info.url, rollouts)
-            await asyncio.sleep(0.3)
+            await _decoding(worker, rollouts)
             flag.touch()
             t0 = time.monotonic()
             cut = asyncio.create_task(worker.acut(inv))  # runs while the fence calls are made
@@ -126,7 +140,7 @@ def test_a_late_cleanup_never_deletes_what_a_later_cut_made_durable(slow_worker)
     async def scenario():
         async with httpx.AsyncClient() as client:
             tasks = _requests(client, worker.info.url, rollouts)
-            await asyncio.sleep(0.3)
+            await _decoding(worker, rollouts)
             await worker.abegin_fence(epoch, 60)  # finished calls keep their chunks
             flag.touch()
             late = await worker.acut(inv | {"checkpoint_id": "late-1"})

@@ -49,13 +49,17 @@ from rollout_recovery.testing.campaign import engine_evidence
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "configs" / "prefix_recovery.yaml"
 # Small and quick, yet every point is reached in every step: generation outlasts several
-# cadence intervals, and keep_latest_k=2 makes retention delete. The first crash of a case
-# lands in step 2 (after the anchor), so a restore always has a step left to run.
+# cadence attempts, and keep_latest_k=2 makes retention delete. The first crash of a case
+# lands in step 2 (after the anchor), so a restore always has a step left to run. With one
+# core busy beside the suite a cadence attempt took 1.4 s, and 128-token calls ended before
+# the second one of step 2 (the first found them with no token yet): the chain's cut then
+# came in step 3 and its last crash after the final step. 384 tokens keep two attempts and
+# more inside each step's generation there.
 JOB = (
     "grpo.steps=3",
     "grpo.prompts_per_step=1",
     "grpo.generations_per_prompt=2",
-    "policy.generation.max_new_tokens=128",
+    "policy.generation.max_new_tokens=384",
     "rollout_checkpointing.snapshot_attempt_interval_s=0.3",
     "rollout_checkpointing.keep_latest_k=2",
 )
