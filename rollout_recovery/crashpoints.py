@@ -84,6 +84,7 @@ _reached: Counter[str] = Counter()
 _qualified: Counter[str] = Counter()  # arrivals whose facts met ROLLOUT_RECOVERY_CRASH_WHEN
 _since_anchor: Counter[str] = Counter()
 _lock = threading.Lock()  # shards write snapshot files from a thread pool
+_pause_lock = threading.Lock()
 
 
 def parse(armed: str) -> tuple[str, int, str]:
@@ -161,10 +162,18 @@ def crash_point(name: str, **facts: object) -> None:
             _append(anchor, {"anchor": after, "pid": os.getpid()}, sync=False)
     if not fire:
         return
+    record = {"point": name, "arrival": counted, "action": action, "pid": os.getpid(),
+              "time": time.time(), "after": after, "facts": facts}  # fmt: skip
+    if action == "pause":
+        # One pause at a time per process: a second thread arriving meanwhile marks and stops
+        # only once the first pause was resumed, so each mark gets a stop of its own.
+        with _pause_lock:
+            if mark:
+                _append(mark, record, sync=False)
+            _signal_session(signal.SIGSTOP)
+        return
     if mark:
-        _append(mark, {"point": name, "arrival": counted, "action": action, "pid": os.getpid(),
-                       "time": time.time(), "after": after, "facts": facts},
-                sync=action != "pause")  # fmt: skip
+        _append(mark, record, sync=True)
     if action == "exit":
         os._exit(137)
     _signal_session(signal.SIGKILL if action == "kill" else signal.SIGSTOP)
