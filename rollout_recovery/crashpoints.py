@@ -126,6 +126,12 @@ def _meets(facts: dict[str, object], when: str | None) -> bool:
     return True
 
 
+def armed() -> bool:
+    """Whether any point is armed or traced in this process: a caller skips computing facts
+    otherwise (they are never read)."""
+    return bool(os.environ.get(ENV) or os.environ.get(TRACE_ENV))
+
+
 def crash_point(name: str, **facts: object) -> None:
     """Stop the job here if this point is armed and this is its arrival (a no-op otherwise).
     `facts` (JSON values) go into the mark line and are what ROLLOUT_RECOVERY_CRASH_WHEN

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from rollout_recovery import crashpoints
 from rollout_recovery.config import CheckpointCoordinatorConfig
 from rollout_recovery.controller import liveness
 from rollout_recovery.controller.metrics import RunMetrics
@@ -308,11 +309,14 @@ class CheckpointCoordinator:
             left = max(0.0, t0 + timeout - w0)
             async with asyncio.timeout(left):
                 snap = await publish(records, frozen)
-            # Facts a check arms its pause or kill on (crashpoints.py): never read otherwise.
-            crash_point("snapshot_taken", step=self.state.step,
-                        snapshot=snap.uri.split("?")[0].rstrip("/").rsplit("/", 1)[-1],
-                        cut_calls=sum(bool(c.tokens) for c in records.continuations.values()),
-                        episodes=len(records.episodes))  # fmt: skip
+            # Facts a check arms its pause or kill on (crashpoints.py), computed only when a
+            # point is armed: the checkpoint path pays nothing for them otherwise.
+            facts = {} if not crashpoints.armed() else {
+                "step": self.state.step,
+                "snapshot": snap.uri.split("?")[0].rstrip("/").rsplit("/", 1)[-1],
+                "cut_calls": sum(bool(c.tokens) for c in records.continuations.values()),
+                "episodes": len(records.episodes)}  # fmt: skip
+            crash_point("snapshot_taken", **facts)
             timed("write_s", w0)
         except asyncio.CancelledError:  # the cadence stopped (its work ended) mid-attempt
             gate.abort()
