@@ -4,8 +4,9 @@ Checks run at once (tests/functional): each kills, freezes and thaws its own run
 pid, and with 32768 pids a pid seen minutes ago may by now be another check's engine or Ray
 worker. So every check marks its own process tree: `mark_this_check()` puts a token of its own
 in its environment, every run it starts (and Ray's processes, engines and actors under it)
-inherits it, and `signal_own` signals a pid only while that process still carries the token
-(read from /proc/<pid>/environ). A pid that no longer does is left alone and reported."""
+inherits it, and `signal_own` signals a pid only while that process is still the check's: it
+carries the token (read from /proc/<pid>/environ) or, where its environment reads as no
+check's at all, its parent is the check's. A pid that is not is left alone and reported."""
 
 from __future__ import annotations
 
@@ -26,15 +27,26 @@ def mark_this_check() -> str:
 
 
 def owned(pid: int, mark: str | None = None) -> bool:
-    """Whether process `pid` is alive and carries this check's token."""
+    """Whether process `pid` is alive and this check's: the nearest of it and its ancestors
+    that carries any check's token carries this one. Ray's agents retitle themselves over
+    their environment (setproctitle), so their own token cannot be read: they are the check's
+    because the raylet that started them is."""
     mark = mark or os.environ.get(MARK_ENV)
     if not mark:
         raise RuntimeError(f"{MARK_ENV} is not set: call mark_this_check() first")
-    try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return f"{MARK_ENV}={mark}".encode() in env
+    seen: set[int] = set()
+    while pid > 1 and pid not in seen:
+        seen.add(pid)
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        token = next((e for e in env if e.startswith(f"{MARK_ENV}=".encode())), None)
+        if token is not None:
+            return token == f"{MARK_ENV}={mark}".encode()
+        pid = ppid
+    return False
 
 
 def signal_own(pids: set[int] | list[int], sig: int, pgid: int | None = None) -> list[int]:

@@ -118,7 +118,10 @@ SOAK_ARGS = ["--levels", "prefix", "--faults",
              "store_shard_kill,controller_kill,worker_kill,preemption", "--count", "4",
              "--seed", "31", "--steps", "18"]  # fmt: skip
 ASYNC = REPO / "functional_tests" / "async_recovery.py"
-
+# One location walked through two deaths before any snapshot, a changed setting, a SIGTERM with
+# no grace, a Ctrl-C and a SIGTERM during start-up, each continued by the command the last
+# message named (functional_tests/continuable.py).
+CONTINUABLE = REPO / "functional_tests" / "continuable.py"
 # Asynchronous GRPO at prefix level with the token log on: four steps of two groups of 4 calls of
 # 128 tokens, killed once after a snapshot of step >= 1 holding 2 cut calls (the run killed
 # twice is docs/async_grpo.md's command; one kill here keeps a restore phase off the suite).
@@ -228,6 +231,7 @@ JOBS = [
                                    "--verify-only"], ("async",), 900, _tamper_async),
     _check_job("two_owners"),
     _check_job("two_node"),
+    Job("continuable", lambda o: [str(CONTINUABLE), "--out", str(o["continuable"])]),
 ]  # fmt: skip
 
 Done = tuple[subprocess.CompletedProcess, Path]

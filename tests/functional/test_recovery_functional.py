@@ -70,6 +70,7 @@ two_node_run = _check_run("two_node")
 own_loop_run = _check_run("own_loop")
 two_owners_run = _check_run("two_owners")
 async_run = _check_run("async")
+continuable_run = _check_run("continuable")
 
 
 def _report(out: Path) -> dict:
@@ -372,3 +373,22 @@ def test_a_run_under_a_stream_of_faults_trains_what_a_fault_free_run_trains(jobs
     assert (
         level["decoded"] == level["trained"] + level["decoded_again"] + level["decoded_not_trained"]
     )
+
+
+def test_a_location_is_continued_by_the_command_each_failure_names(continuable_run):
+    """Two deaths before any snapshot healed from step 0, a changed setting refused in one line
+    with nothing changed, a SIGTERM with no grace, a Ctrl-C and a SIGTERM during start-up each
+    ended in one line naming `train --restore`, and that command finished the run."""
+    report = _report(continuable_run)
+    assert report["violations"] == []
+    phases = {p["phase"]: p for p in report["phases"]}
+    first = phases["1-two-deaths"]
+    assert [k["actor"] for k in first["killed"]] == ["RolloutEnvironment", "RolloutRecovery"]
+    assert [r["step"] for r in first["restores"]] == [0, 0] and first["exit"] == 0
+    refused = phases["2-changed-settings"]
+    assert refused["exit"] == 1 and "grpo.prompts_per_step=2" in refused["last_line"]
+    assert refused["names"] == "train --restore"
+    assert [(phases[n]["exit"], phases[n]["names"]) for n in
+            ("3-sigterm-no-grace", "4-ctrl-c", "5-sigterm-at-start")] == [
+        (0, "train --restore"), (130, "train --restore"), (0, "train --restore")]  # fmt: skip
+    assert phases["6-to-the-end"]["exit"] == 0

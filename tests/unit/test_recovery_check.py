@@ -160,6 +160,42 @@ def test_a_check_signals_only_processes_that_carry_its_mark(monkeypatch):
             proc.wait()
 
 
+def test_a_process_whose_environment_reads_as_no_checks_is_its_parents():
+    """Ray's agents retitle themselves over their environment, so no token can be read there:
+    a process with no token at all is the check's when its parent is, and another check's
+    when its parent is another check's. Without this a held run's agents stayed stopped and
+    every actor created after the resume waited on them."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    sys.path.insert(0, str(REPO / "functional_tests"))
+    import processes
+
+    env = {k: v for k, v in os.environ.items() if k != processes.MARK_ENV}
+    tree = "env -i sleep 30 & wait"
+    ours = subprocess.Popen(["sh", "-c", tree], env=env | {processes.MARK_ENV: "this-check"})
+    theirs = subprocess.Popen(["sh", "-c", tree], env=env | {processes.MARK_ENV: "another"})
+    try:
+        deadline = time.monotonic() + 10
+        while not (processes.descendants(ours.pid) and processes.descendants(theirs.pid)):
+            assert time.monotonic() < deadline, "the shells started no child"
+            time.sleep(0.05)
+        [our_child] = processes.descendants(ours.pid)
+        [their_child] = processes.descendants(theirs.pid)
+        assert b"this-check" not in Path(f"/proc/{our_child}/environ").read_bytes()
+        assert processes.owned(our_child, "this-check")
+        assert not processes.owned(their_child, "this-check")
+        assert processes.owned(their_child, "another")
+    finally:
+        for proc in (ours, theirs):
+            for pid in processes.descendants(proc.pid):
+                os.kill(pid, 9)
+            proc.kill()
+            proc.wait()
+
+
 def test_a_training_script_replaces_the_cli_in_every_phase():
     """`--train PATH`: the script with the repo's python, its config beside it by default."""
     script = REPO / "examples" / "own_loop" / "train.py"
