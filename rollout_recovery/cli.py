@@ -266,10 +266,10 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 def _announce_gateway(rr, stop: threading.Event) -> None:
     """Print the URL and token once the gateway listens (serve_rollouts blocks the caller)."""
-    while rr.gateway_url is None and not stop.is_set():
+    while (gateway := rr.gateway()) is None and not stop.is_set():
         time.sleep(0.05)
-    if rr.gateway_url is not None:
-        print(f"rollout gateway at {rr.gateway_url} (token {rr.gateway_token}): POST /rollouts "
+    if gateway is not None:
+        print(f"rollout gateway at {gateway.url} (token {gateway.token}): POST /rollouts "
               "to open one; press Ctrl-C to stop", flush=True)  # fmt: skip
 
 

@@ -23,10 +23,9 @@ from collections.abc import Callable, Iterable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout_recovery.api import GroupResult
 from rollout_recovery.controller.stream import StartedGroup
 from rollout_recovery.controller.tasks import make_tasks
-from rollout_recovery.protocol import group_id, parse_group_id
+from rollout_recovery.protocol import GroupResult, group_id, parse_group_id
 
 CURSOR_KEY = "async_cursor"  # the cursor's key in a trainer checkpoint's `extra`
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import (
@@ -492,3 +493,20 @@ class EpisodeOutcome(NamedTuple):
     row: ReplayRow  # its training row (already durable in `replay`)
     decoded_tokens: int  # tokens the engines decoded for it in this run
     result: Any  # what the episode function returned, as its row keeps it (JSON values)
+
+
+@dataclass
+class GroupResult:
+    """One finished group as the trainer gets it: its rows, rewards, the tokens decoded for it
+    and what each episode function returned (JSON values, kept with its row)."""
+
+    group_id: str
+    rows: list[ReplayRow]
+    rewards: list[float]
+    generated_tokens: int
+    results: list
+
+    @classmethod
+    def of(cls, group_id: str, outcomes: list[EpisodeOutcome]) -> GroupResult:
+        rows, decoded = [o.row for o in outcomes], sum(o.decoded_tokens for o in outcomes)
+        return cls(group_id, rows, [r.reward for r in rows], decoded, [o.result for o in outcomes])

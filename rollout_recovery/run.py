@@ -45,14 +45,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
-from rollout_recovery.api import GroupResult, SingleController, Standby
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.controller import batches, step_log, trainer_checkpoints
-from rollout_recovery.controller.lifecycle import Engines
+from rollout_recovery.controller.job import Engines
 from rollout_recovery.controller.run_plan import (
     RestorePlan,
     announce,
@@ -65,6 +64,7 @@ from rollout_recovery.controller.selection import DATA_PLANE, run_has_state
 from rollout_recovery.controller.stream import StartedGroup
 from rollout_recovery.controller.tasks import make_tasks
 from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
+from rollout_recovery.controller_actor import start_controller, start_standby
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import LeaseResult
 from rollout_recovery.data_plane.ownership import Fence, Owner
@@ -75,9 +75,16 @@ from rollout_recovery.errors import (
     RecoveryError,
     RunStalled,
 )
+from rollout_recovery.healing import (
+    KEEPS_ENGINES,
+    Action,
+    Circumstances,
+    Phase,
+    decide,
+)
 from rollout_recovery.model_identity import resolve_model_path
 from rollout_recovery.preemption import NoticeWatch
-from rollout_recovery.protocol import group_id
+from rollout_recovery.protocol import GroupResult, group_id
 from rollout_recovery.runtime import ActorProxy
 from rollout_recovery.storage import RunStorage, StorageError
 
@@ -85,8 +92,6 @@ __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "g
 
 WEIGHTS_DIR = "weights"
 T = TypeVar("T")
-# The deaths a restore heals keeping the engines (a worker's heals in place, failover.md).
-KEEPS_ENGINES = ("store shard", "environment actor", "controller")
 
 
 @dataclass
@@ -120,7 +125,7 @@ class TrainingRun:
         self.cfg, self.storage, self.owner, self._plan = cfg, storage, owner, plan
         self.start_step = plan.step if plan is not None else 0
         self.checkpoint: TrainerCheckpoint | None = plan.checkpoint if plan else None
-        self.rollouts: ActorProxy | None = None  # the SingleController
+        self.rollouts: ActorProxy | None = None  # the controller actor (controller_actor.py)
         self._weights_due = self.checkpoint is not None  # pushed before the first step
         self._scratch: tempfile.TemporaryDirectory | None = None
         self.weights_dir = self._weights_dir()
@@ -138,8 +143,8 @@ class TrainingRun:
         self.kept: Kept | None = None  # what of the job a restore in this process keeps
         self.ray_address = "local"
         self.standby: ActorProxy | None = None  # failover.standby_controller (`_start_standby`)
-        self.wants_standby = False  # keep_running sets it while it has restores left
-        self.engines: Engines | None = None  # started here for the controller (SingleController)
+        self.restores_left = False  # keep_running sets it while it has restores left
+        self.engines: Engines | None = None  # started here for the controller actor
 
     @classmethod
     def open(
@@ -178,7 +183,7 @@ class TrainingRun:
             with run._notices.interruptible():
                 if kept is None or kept.controller is None:  # a new controller (on kept engines)
                     engines, standby = (kept.engines, kept.standby) if kept else (None, None)
-                    run.rollouts, run.engines = SingleController(cfg, ray_address, owner,
+                    run.rollouts, run.engines = start_controller(cfg, ray_address, owner,
                                                                  engines, standby)  # fmt: skip
                 else:  # the halted controller, built again around its engines
                     run.rollouts, run.engines = kept.controller, kept.engines
@@ -217,7 +222,7 @@ class TrainingRun:
             run = None
             try:
                 with cls.open(cfg, restore, ray_address, kept) as run:
-                    run.wants_standby = restores < cfg.failover.max_restores
+                    run.restores_left = restores < cfg.failover.max_restores
                     if kept is not None and not run.opened.get("engines_kept"):
                         print("the engines could not be kept (a worker was lost or replaced): "
                               "they started again", flush=True)  # fmt: skip
@@ -237,7 +242,9 @@ class TrainingRun:
                 stopped_at = time.time()  # the rest of the job was stopped on the way out
                 kept = run.kept if run is not None else None
                 allowed = cfg.failover.max_restores
-                if restores >= allowed:
+                left = Circumstances(restores_left=restores < allowed)
+                phase = Phase.STARTING if run is None else Phase.RUNNING
+                if decide(err.component, phase, left) is Action.END_RUN:
                     used = (f"{err}; failover.max_restores={allowed} restores in this process "
                             "were used: continue the run with `train --restore`")  # fmt: skip
                     if kept is not None:
@@ -267,8 +274,8 @@ class TrainingRun:
         preemption's final snapshot nothing the job holds is needed and the grace is short.
         After an actor of the job died (`lost`) the controller may be gone or still waiting on
         it: it is ended at once, unless the engines can serve the restore (`_keep`), when they
-        are kept in `kept`. The engines were started in this process (api.SingleController):
-        whatever the controller did not stop is ended here."""
+        are kept in `kept`. The engines were started in this process (`start_controller`): whatever
+        the controller did not stop is ended here."""
         self._notices.stop()
         try:
             if self.rollouts is not None:
@@ -297,27 +304,36 @@ class TrainingRun:
             self._scratch = None
 
     def _keep(self, rollouts: ActorProxy, lost: ComponentLost) -> Kept | None:
-        """What of the job serves its restore (`failover.keep_engines`), or None: the engines
-        start again. After the controller's death its engines, which this process started,
-        are alive: a new controller resets them. After a store shard's or the environment
-        actor's death the controller is alive too: the other store shards and environment
-        actors are ended (`halt`), its call still waiting on them must end within
-        `failover.settle_s`, and it builds the job again itself (`restart`)."""
+        """What of the job serves its restore, as the healing table decides (healing.py), or
+        None: the engines start again (or the run ends). After the controller's death its
+        engines, which this process started, are alive: the standby or a new controller resets
+        them. After a store shard's or the environment actor's death the controller is alive
+        too: the other store shards and environment actors are ended (`halt`), its call still
+        waiting on them must end within `failover.settle_s`, and it builds the job again
+        itself (`restart`)."""
         fo, engines = self.cfg.failover, self.engines
-        if not fo.keep_engines or lost.component not in KEEPS_ENGINES or engines is None:
+        c = Circumstances(
+            failover=fo.enabled,
+            keep_engines=fo.keep_engines and engines is not None,
+            restores_left=self.restores_left,
+            standby=self.standby is not None,
+        )
+        action = decide(lost.component, Phase.RUNNING, c)
+        if action not in KEEPS_ENGINES:
             return None
-        if lost.component == "controller":
+        if action is not Action.REBUILD_ON_KEPT_ENGINES:  # the controller died
             rollouts.kill()
             engines.drop_store()  # its shards hold their placement; the restore starts anew
             return Kept(None, engines, self.standby)
         try:
             rollouts.call_in("control", "halt", timeout=fo.settle_s)
-            if not rollouts.settled(fo.settle_s):
-                return None
+            settled = rollouts.settled(fo.settle_s)
         except Exception:  # the controller is gone or stuck: the engines start again
-            return None
-        engines.drop_store()
-        return Kept(rollouts, engines, self.standby)
+            settled = False
+        if decide(lost.component, Phase.RUNNING, replace(c, settled=settled)) in KEEPS_ENGINES:
+            engines.drop_store()
+            return Kept(rollouts, engines, self.standby)
+        return None
 
     def _final_checkpoint(self) -> None:
         """A preemption: hold every call, cut it, publish a snapshot within the grace left
@@ -327,7 +343,10 @@ class TrainingRun:
         if self.rollouts is None or left <= 0:
             out = {"failed": f"no time left of preemption.grace_s={grace:g}"}
         else:
-            out = self.rollouts.call_in("control", "preempt", left, self._last_step + 1)
+            try:
+                out = self.rollouts.call_in("control", "preempt", left, self._last_step + 1)
+            except ComponentLost as err:  # a death while preempting (healing.py): it failed
+                out = {"failed": str(err)}
         event = {"event": "preempted", "notice": notice, "step": self._last_step + 1} | {
             k: out[k]
             for k in ("held", "checkpoint", "calls_cut", "calls_not_cut", "failed", "save_s")
@@ -407,15 +426,15 @@ class TrainingRun:
 
     def _start_standby(self) -> None:
         """Start the standby controller (`failover.standby_controller`) where `keep_running`
-        could still restore: it takes the job after the controller's death (api.Standby)."""
+        could still restore: it takes the job after the controller's death (`start_standby`)."""
         fo = self.cfg.failover
         if (
             self.standby is None
-            and self.wants_standby
+            and self.restores_left
             and fo.keep_engines
             and (fo.standby_controller)
         ):
-            self.standby = Standby(self.cfg, self.ray_address)
+            self.standby = start_standby(self.cfg, self.ray_address)
 
     def tasks(self, step: int) -> list[dict]:
         """Step `step`'s tasks from `environment.tasks(grpo.prompts_per_step, seed)`, checked;

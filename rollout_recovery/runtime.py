@@ -41,21 +41,42 @@ def init_ray(
 def _sigterm_kept() -> Iterator[None]:
     """Ray's start replaces the SIGTERM handler (its Python one exits 15; one its core
     installs while starting aborts with a C++ stack): keep a Python handler the process had (a
-    run's preemption watch, preemption.py), else put Ray's Python one back in force. SIGTERM is
-    blocked meanwhile, so a notice that comes during the start reaches that handler once it is
-    in place, and the threads Ray starts inherit the block: only the main thread takes it."""
+    run's preemption watch, preemption.py), else put Ray's Python one in force after the start.
+
+    Meanwhile a notice is held, then delivered to that handler once it is in place: SIGTERM is
+    blocked in this (the main) thread and in the threads Ray starts, which inherit the block;
+    a notice that a thread started before (a native one: jemalloc's, Arrow's) takes anyway
+    reaches only a deferring Python handler, because `signal.signal` is wrapped for the start
+    so Ray's Python handler is recorded, not installed."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.getsignal(signal.SIGTERM)
+    before, real = signal.getsignal(signal.SIGTERM), signal.signal
+    held: list[int] = []
+    asked: list[Any] = []  # the SIGTERM handlers the start asked for, last one last
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+
+    def recorded(signum: int, handler: Any) -> Any:
+        if signum != signal.SIGTERM:
+            return real(signum, handler)
+        asked.append(handler)
+        return hold
+
+    real(signal.SIGTERM, hold)
+    signal.signal = recorded
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
     finally:
-        after = signal.getsignal(signal.SIGTERM)
+        signal.signal = real
+        after = asked[-1] if asked else None
         keep = before if callable(before) else after if callable(after) else signal.SIG_DFL
-        signal.signal(signal.SIGTERM, keep)
+        real(signal.SIGTERM, keep)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        if held:
+            signal.raise_signal(signal.SIGTERM)
 
 
 def actor_class(cls: type, **options: Any) -> Any:

@@ -230,7 +230,7 @@ def _engine_requests(worker) -> int:
 
 
 def engine_requests(rr) -> int:
-    return sum(w.run_inside(_engine_requests) for w in rr.workers)
+    return sum(w.run_inside(_engine_requests) for w in rr.job.workers)
 
 
 def tally_work(n: int, tag: str, group_size: int = 8):
@@ -247,14 +247,7 @@ def tally_work(n: int, tag: str, group_size: int = 8):
 def restart_env(rr, cfg) -> None:
     """Close the environment actor (its HTTP connections close, so the engines abort every
     call it had in flight) and start a fresh one with `cfg`'s environment blocks."""
-    from rollout_recovery.environment.client import EnvironmentClient
-
-    with contextlib.suppress(Exception):
-        rr.env.close()
-    scratch = rr.storage.local_path("scratch")
-    rr.env = EnvironmentClient.start(cfg.environment_config(), rr.workers, rr.store,
-                                     str(scratch) if scratch else None)  # fmt: skip
-    rr.coordinator.env = rr.env
+    rr.job.renew_environment(cfg)
 
 
 def clear_store(store) -> int:
@@ -316,7 +309,9 @@ def run_calls(rr, cfg, args, workers: int, n: int) -> dict:
     """`n` calls in flight, then the measured checkpoint attempts; then the calls aborted."""
     groups, seeds = tally_work(n, f"w{workers}n{n}")
     expect_engine = n  # the environment holds no call back (no connection cap)
-    work = asyncio.run_coroutine_threadsafe(rr.env.run_groups(groups, seeds, 0), rr._loop.loop)
+    work = asyncio.run_coroutine_threadsafe(
+        rr.job.env.run_groups(groups, seeds, 0), rr.job.loop.loop
+    )
     row: dict = {"workers": workers, "calls": n, "status": "ok"}
     try:
         t, at_engine = time.monotonic(), 0
@@ -331,7 +326,7 @@ def run_calls(rr, cfg, args, workers: int, n: int) -> dict:
         for k in range(args.attempts + 1):  # the first is the warm-up
             if work.done():
                 break
-            metrics = rr._loop.run(rr.coordinator.attempt("bench-scale"))
+            metrics = rr.job.loop.run(rr.job.coordinator.attempt("bench-scale"))
             if k:
                 attempts.append(attempt_figures(metrics))
             time.sleep(args.gap)
@@ -341,8 +336,10 @@ def run_calls(rr, cfg, args, workers: int, n: int) -> dict:
         with contextlib.suppress(Exception):
             work.result(120)  # ends with the closed environment's error
         row["abort_drain_s"] = wait_engines_idle(rr)
-        rr._loop.run(rr.coordinator.attempt("bench-scale-sweep"))  # staged rows of aborted calls
-        clear_store(rr.store)
+        rr.job.loop.run(
+            rr.job.coordinator.attempt("bench-scale-sweep")
+        )  # staged rows of aborted calls
+        clear_store(rr.job.store)
     counted = [a for a in attempts if a["in_flight"] >= IN_FLIGHT_SHARE * n]
     row["attempts"] = attempts
     row["attempts_counted"] = len(counted)
@@ -371,7 +368,7 @@ def s4_round(rr, args, interval: float | None, tag: str) -> dict:
     """One decode round: the same episodes, with the cadence at `interval` (None: none)."""
     from rollout_recovery.data_plane import StagingStore
 
-    coord = rr.coordinator
+    coord = rr.job.coordinator
     groups, seeds = tally_work(args.s4_calls, tag)
     published: list[float] = []
     attempts: list[dict] = []
@@ -397,12 +394,12 @@ def s4_round(rr, args, interval: float | None, tag: str) -> dict:
         if interval is not None:
             coord.cfg.rollout_checkpointing.snapshot_attempt_interval_s = interval
         t0 = time.time()
-        work = rr.env.run_groups(groups, seeds, 0)
-        out = rr._loop.run(work if interval is None else coord.alongside(work))
+        work = rr.job.env.run_groups(groups, seeds, 0)
+        out = rr.job.loop.run(work if interval is None else coord.alongside(work))
         t1 = time.time()
     finally:
         del coord.counted
-    clear_store(rr.store)
+    clear_store(rr.job.store)
     tokens = sum(o.decoded_tokens for o in out)
     rate = tokens / (t1 - t0)
     return {
@@ -430,7 +427,7 @@ def bench_decode_vs_interval(rr, cfg, args) -> dict:
     cfg4.policy.generation.max_new_tokens = args.s4_tokens
     restart_env(rr, cfg4)
     wait_engines_idle(rr)
-    clear_store(rr.store)
+    clear_store(rr.job.store)
     intervals = args.interval_list
     warmup = s4_round(rr, args, intervals[-1], "s4-warmup")
     rounds = []

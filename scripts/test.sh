@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
-# Set up if needed, lint, then run the whole test suite. Extra args go to pytest.
+# Set up if needed, lint, then run the whole test suite (what CI runs), or with --fast only the
+# fast tier: tests/unit and tests/cluster, nothing that starts an engine. Extra args go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+tier=suite budget=1200
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  tier="fast tier" budget=300
+  set -- tests/unit tests/cluster "$@"
+fi
 bash scripts/setup.sh
 PY=.venv/bin/python
 echo "[test] ruff"
@@ -13,7 +20,7 @@ set +e
 "$PY" -m pytest "$@"
 rc=$?
 set -e
-echo "[test] suite took $(( $(date +%s) - start )) s"
+echo "[test] $tier took $(( $(date +%s) - start )) s (budget $budget s)"
 if [ "$rc" -eq 5 ]; then
   echo "[test] pytest collected no tests: failing on purpose" >&2
   exit 1

@@ -97,3 +97,21 @@ def crash_chain(functional_checks):
     if proc.returncode != 0:
         pytest.fail(f"the crash-point campaign failed:\n{proc.stdout[-3000:]}")
     return work, crash_chain_result(work)
+
+
+TIERS = ("unit", "cluster", "engine", "functional")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Per tier (tests/<tier>/), the seconds its tests took, setup and teardown included (the
+    functional checks run beside the other tiers, so the tiers overlap in wall time)."""
+    spent: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for rep in reports:
+            nodeid = getattr(rep, "nodeid", "")
+            parts = nodeid.split("/")
+            if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS:
+                spent[parts[1]] = spent.get(parts[1], 0.0) + getattr(rep, "duration", 0.0)
+    if spent:
+        line = ", ".join(f"{t} {spent[t]:.0f} s" for t in TIERS if t in spent)
+        terminalreporter.write_line(f"[test] time in tests per tier: {line}")

@@ -68,6 +68,15 @@ class RunState:
         return ServedModel(base=self.model, weight_version=self.weight_version,
                            weights_sha256=self.weights_sha256)  # fmt: skip
 
+    def served(self, weight_version: int, weights_sha256: str) -> None:
+        """The workers serve these weights from now on."""
+        self.weight_version, self.weights_sha256 = weight_version, weights_sha256
+
+    def checkpointed(self, step: int, trainer_checkpoint: str | None) -> None:
+        """Step `step`'s trainer checkpoint (its digest) pairs with the snapshots from now on
+        (also what a restore takes from the snapshot it restored)."""
+        self.step, self.trainer_checkpoint = step, trainer_checkpoint
+
 
 async def _to_the_end(work: Awaitable[None]) -> None:
     """Await `work` to its end even if the caller is cancelled meanwhile (the cancellation
@@ -208,6 +217,10 @@ class CheckpointCoordinator:
             continuations=records.continuations,
             settings=self.settings,
         )
+
+    def use_environment(self, env: EnvironmentClient) -> None:
+        """Checkpoint this environment from the next attempt on (a job's renewed one)."""
+        self.env = env
 
     async def attempt(self, reason: str, timeout_s: float | None = None) -> dict | None:
         """One checkpoint attempt, within `rollout_checkpointing.attempt_timeout_s` (or

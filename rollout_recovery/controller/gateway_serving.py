@@ -5,23 +5,22 @@ then one last checkpoint keeps every open rollout, so a restore reopens them."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the facade calls in; this module never imports it at load time
-    from rollout_recovery.api import RolloutRecovery
+    from rollout_recovery.controller.job import Job
 
 
-def serve_gateway(rr: RolloutRecovery, stop: threading.Event, token: str | None) -> dict | None:
-    """Serve until `stop` is set; the last checkpoint's metrics, None if it failed. The URL and
-    token are set on `rr` first, so another thread can announce them while this one serves."""
-    rr.gateway_token = token or secrets.token_urlsafe(24)
-    rr.gateway_url = rr.env.start_gateway(rr.gateway_token, rr.state.weight_version)
+def serve_gateway(job: Job, stop: threading.Event, token: str | None) -> dict | None:
+    """Serve until `stop` is set; the last checkpoint's metrics, None if it failed. The gateway
+    is on the job first (`Job.gateway`), so another thread can announce it while this one
+    serves."""
+    job.start_gateway(token)
 
     async def until_stopped() -> None:
         while not stop.is_set():
             await asyncio.sleep(0.1)
 
-    rr._loop.run(rr.coordinator.alongside(until_stopped()))
-    return rr._loop.run(rr.coordinator.counted("shutdown"))
+    job.loop.run(job.coordinator.alongside(until_stopped()))
+    return job.loop.run(job.coordinator.counted("shutdown"))

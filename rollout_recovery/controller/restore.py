@@ -24,8 +24,8 @@ from rollout_recovery.data_plane.ownership import Owner
 from rollout_recovery.protocol import EpisodeRecord
 from rollout_recovery.storage import RunStorage
 
-if TYPE_CHECKING:  # the facade calls in; this module never imports it at load time
-    from rollout_recovery.api import RolloutRecovery
+if TYPE_CHECKING:  # the job's module imports this one
+    from rollout_recovery.controller.job import Job
 
 TOKEN_LOG_DIR = "token_log"  # under the checkpoint dir (data_plane/token_log_segments.py)
 RESTORES_LOG = "restores.jsonl"  # per restore: what each call took from the token log
@@ -45,27 +45,26 @@ def with_token_log_uri(cfg: RolloutRecoveryConfig) -> RolloutRecoveryConfig:
     return cfg
 
 
-def restore_run(rr: RolloutRecovery, snapshot: str | None, mode: str | None) -> dict | None:
-    """Restore `rr`'s store and its environment's episodes from `snapshot`, or from the newest
+def restore_run(job: Job, snapshot: str | None, mode: str | None) -> dict | None:
+    """Restore `job`'s store and its environment's episodes from `snapshot`, or from the newest
     usable one by `mode`; the ledger as a dict (with `snapshot`, the newer `skipped` ones and
     why, and what the `token_log` added), or None when nothing was ever published."""
     restore_id = f"restore-{time.time_ns()}"
-    rr.env.begin_restore(restore_id)  # refused once calls were served
+    job.env.begin_restore(restore_id)  # refused once calls were served
     episodes: list[EpisodeRecord] = []
     step = 1
     try:
-        where = (rr.coordinator.cfg, rr.store, rr.coordinator.snapshot_root)
-        chosen = restore_snapshot(*where, rr.state.model, snapshot, mode)
+        where = (job.coordinator.cfg, job.store, job.coordinator.snapshot_root)
+        chosen = restore_snapshot(*where, job.state.model, snapshot, mode)
         if chosen is None:
             return None
         episodes = chosen.ledger.episodes
-        step = attempt_step(rr.coordinator.snapshot_root, chosen.snapshot, rr.owner)
-        token_log = _extend_and_log(rr, restore_id, chosen.snapshot, episodes,
+        step = attempt_step(job.coordinator.snapshot_root, chosen.snapshot, job.owner)
+        token_log = _extend_and_log(job, restore_id, chosen.snapshot, episodes,
                                     chosen.ledger.weight_version)  # fmt: skip
     finally:
-        rr.env.end_restore(restore_id, episodes, step)
-    rr.state.step = chosen.ledger.step
-    rr.state.trainer_checkpoint = chosen.ledger.trainer_checkpoint
+        job.env.end_restore(restore_id, episodes, step)
+    job.state.checkpointed(chosen.ledger.step, chosen.ledger.trainer_checkpoint)
     return chosen.ledger.model_dump(mode="json") | {"snapshot": chosen.snapshot,
                                                     "skipped": chosen.skipped,
                                                     "token_log": token_log}  # fmt: skip
@@ -91,23 +90,23 @@ def attempt_step(root: str, snapshot: str, owner: Owner | None) -> int:
 
 
 def _extend_and_log(
-    rr: RolloutRecovery, restore_id: str, snapshot: str, episodes: list[EpisodeRecord],
+    job: Job, restore_id: str, snapshot: str, episodes: list[EpisodeRecord],
     weight_version: int,
 ) -> dict:  # fmt: skip
     """Extend the restored calls in flight from the token log (with tokens of the restored
     weights or older), counted and logged to RESTORES_LOG (a failed write loses only
     evidence, never the restore)."""
-    tc = rr.cfg.token_capture
+    tc = job.cfg.token_capture
     # Below prefix level a restore keeps no call in flight (level table, docs/restore.md):
     # the token log then serves only moves off a dead worker within the run.
-    if not tc.log_uri or not episodes or rr.cfg.rollout_recovery.target_level != "prefix":
+    if not tc.log_uri or not episodes or job.cfg.rollout_recovery.target_level != "prefix":
         return {}
-    ext = extend_from_token_log(episodes, rr.store, tc.staging_partition, tc.log_uri,
+    ext = extend_from_token_log(episodes, job.store, tc.staging_partition, tc.log_uri,
                                 weight_version)  # fmt: skip
     for name, n in ext.counts.items():
-        rr.metrics.add(name, n)
+        job.metrics.add(name, n)
     line = {"restore_id": restore_id, "snapshot": snapshot, "token_log": ext.calls,
             "counts": dict(ext.counts)}  # fmt: skip
     with contextlib.suppress(OSError):
-        rr.storage.append_line(RESTORES_LOG, json.dumps(line))
+        job.storage.append_line(RESTORES_LOG, json.dumps(line))
     return ext.calls

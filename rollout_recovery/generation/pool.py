@@ -190,7 +190,7 @@ class WorkerPool:
         return pool
 
     def reset(self, cfg: RolloutRecoveryConfig, store) -> list[dict[str, int]]:
-        """Keep these engines for a restored job (lifecycle.py): each worker aborts its
+        """Keep these engines for a restored job (controller/job.py): each worker aborts its
         requests, forgets its calls, serves `store` and the token log of `cfg` (the new
         controller's claim), and is back on the model's own weights as version 0. Every
         worker must be live and reset, or this raises and the caller starts new engines."""

@@ -17,16 +17,21 @@ pytestmark = pytest.mark.engine
 
 
 class SlowStore:
-    """Fault injection: delays staging puts while a flag file exists (picklable, so it can be
-    handed to the worker actor like a real store)."""
+    """Fault injection: delays staging puts while a flag file exists, and appends a line to
+    `<flag>.landed` as each delayed put lands (picklable, so it can be handed to the worker
+    actor like a real store)."""
 
     def __init__(self, store: StagingStore, flag: str, delay_s: float) -> None:
         self.store, self.flag, self.delay_s = store, flag, delay_s
 
     async def aput(self, partition, table):
-        if Path(self.flag).exists():
-            await asyncio.sleep(self.delay_s)
-        return await self.store.aput(partition, table)
+        if not Path(self.flag).exists():
+            return await self.store.aput(partition, table)
+        await asyncio.sleep(self.delay_s)
+        out = await self.store.aput(partition, table)
+        with open(f"{self.flag}.landed", "a") as fh:
+            fh.write("landed\n")
+        return out
 
     async def aget(self, partition, keys):
         return await self.store.aget(partition, keys)
@@ -37,13 +42,15 @@ class SlowStore:
 
 @pytest.fixture(scope="module")
 def slow_worker(ray_session, tiny_cfg, tmp_path_factory):
-    """A worker whose staging puts take 2 s while a flag file exists; cuts time out at 0.5 s."""
+    """A worker whose staging puts take 4 s while a flag file exists; cuts time out at 1.5 s.
+    Both timers run on the worker's one event loop, so the deadline fires first whatever the
+    load; the margins are for the test's own calls (a fence while the cut runs)."""
     store = StagingStore.create(num_shards=1)
     flag = tmp_path_factory.mktemp("slow") / "flag"
     cfg = tiny_cfg.model_copy(deep=True)
     cfg.token_capture.enabled = True
-    cfg.token_capture.control_timeout_s = 0.5
-    pool = WorkerPool.start(cfg, 1, store=SlowStore(store, str(flag), delay_s=2.0))
+    cfg.token_capture.control_timeout_s = 1.5
+    pool = WorkerPool.start(cfg, 1, store=SlowStore(store, str(flag), delay_s=4.0))
     yield pool[0], store, flag
     pool.stop()
     store.shutdown()
@@ -67,6 +74,19 @@ def _requests(client: httpx.AsyncClient, url: str, rollouts: list[str]) -> list[
         )
         for r in rollouts
     ]
+
+
+def _landed(flag: Path) -> int:
+    path = Path(f"{flag}.landed")
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+async def _until_landed(flag: Path, n: int, timeout_s: float = 60.0) -> None:
+    """Wait until `n` delayed puts have landed in all (a late put, then its cleanup's turn)."""
+    deadline = time.monotonic() + timeout_s
+    while _landed(flag) < n:
+        assert time.monotonic() < deadline, f"{_landed(flag)} of {n} delayed puts landed"
+        await asyncio.sleep(0.05)
 
 
 async def _decoding(worker, rollouts: list[str], timeout_s: float = 120.0) -> None:
@@ -95,29 +115,33 @@ def test_cut_deadline_marks_unreached_calls_and_cleans_up(slow_worker):
         async with httpx.AsyncClient() as client:
             tasks = _requests(client, worker.info.url, rollouts)
             await _decoding(worker, rollouts)
+            landed = _landed(flag)
             flag.touch()
-            t0 = time.monotonic()
             cut = asyncio.create_task(worker.acut(inv))  # runs while the fence calls are made
             await asyncio.sleep(0.1)
-            # Fence calls never queue behind a running cut.
-            f0 = time.monotonic()
+            # Fence calls never queue behind a running cut: they return while it still runs.
             await worker.abegin_fence(3, 30)
             assert await worker.aend_fence(3)
-            fence_s = time.monotonic() - f0
+            fenced_while_cutting = not cut.done()
             slow = await cut
-            took = time.monotonic() - t0
-            await asyncio.sleep(2.5)  # the late put lands, then is discarded
-            staged_after_deadline = store.list("rollout_staging", "dl-")
+            # The cut returned at its deadline, not after its put: that put has not landed.
+            returned_first = _landed(flag) == landed
+            await _until_landed(flag, landed + 1)  # the late put lands, then is discarded
+            deadline = time.monotonic() + 60
+            while (staged_after_deadline := store.list("rollout_staging", "dl-")) and (
+                time.monotonic() < deadline
+            ):
+                await asyncio.sleep(0.05)  # its cleanup, queued behind it on the worker
             flag.unlink()
             inv2 = inv | {"checkpoint_id": "deadline-2"}
             fast = await worker.acut(inv2)
             for t in tasks:
                 t.cancel()
-            return slow, took, staged_after_deadline, fast, fence_s
+            return slow, returned_first, staged_after_deadline, fast, fenced_while_cutting
 
-    slow, took, staged, fast, fence_s = asyncio.run(scenario())
-    assert took < 1.5, took
-    assert fence_s < 0.3, fence_s
+    slow, returned_first, staged, fast, fenced_while_cutting = asyncio.run(scenario())
+    assert returned_first, "the cut waited for its slow put instead of its deadline"
+    assert fenced_while_cutting, "the fence calls queued behind the running cut"
     assert {c["reason"] for c in slow["calls"]} == {"control_deadline"}
     assert all(c["disposition"] == "durable_failure" for c in slow["calls"])
     assert staged == []  # nothing half-staged stays behind
@@ -142,11 +166,13 @@ def test_a_late_cleanup_never_deletes_what_a_later_cut_made_durable(slow_worker)
             tasks = _requests(client, worker.info.url, rollouts)
             await _decoding(worker, rollouts)
             await worker.abegin_fence(epoch, 60)  # finished calls keep their chunks
+            landed = _landed(flag)
             flag.touch()
             late = await worker.acut(inv | {"checkpoint_id": "late-1"})
             flag.unlink()  # the next puts are fast; the first one is still sleeping
             receipts = [await worker.acut(inv | {"checkpoint_id": "late-2"})]
-            await asyncio.sleep(2.5)  # the late put lands, then its cleanup runs
+            await _until_landed(flag, landed + 1)  # the late put lands
+            await asyncio.sleep(0.5)  # then its cleanup runs
             receipts.append(await worker.acut(inv | {"checkpoint_id": "late-3"}))
             await asyncio.sleep(0.5)
             for t in tasks:

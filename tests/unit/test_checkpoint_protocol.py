@@ -10,14 +10,16 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_recovery.api import RolloutRecovery
 from rollout_recovery.config import load_config
+from rollout_recovery.controller import steps
 from rollout_recovery.controller.coordinator import CheckpointCoordinator, RunState
+from rollout_recovery.controller.job import Job
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.errors import CheckpointWriteError, RunStalled
 from rollout_recovery.generation.pool import WorkerHandle, WorkerPool
+from rollout_recovery.runtime import LoopThread
 from rollout_recovery.storage import RunStorage
 
 
@@ -100,6 +102,14 @@ def _rr(tmp_path, failures: int = 2, *extra: str) -> tuple[CheckpointCoordinator
     return rr, fakes
 
 
+def job_of(cfg, coordinator: CheckpointCoordinator, env: EnvironmentClient | None = None) -> Job:
+    """A job made of these parts (no placement, no evidence log): its step calls run on its own
+    loop, which the caller stops."""
+    return Job(cfg, coordinator.storage, None, coordinator.state, coordinator.metrics,
+               LoopThread("test-job"), None, coordinator.store, coordinator.workers,
+               env or coordinator.env, coordinator, None)  # fmt: skip
+
+
 def test_a_failed_checkpoint_releases_every_fence_and_publishes_nothing(tmp_path):
     rr, fakes = _rr(tmp_path)
     with pytest.raises(OSError, match="disk full"):
@@ -137,15 +147,14 @@ def test_the_cadence_gives_up_after_max_consecutive_failures(tmp_path):
 def test_a_failed_snapshot_after_a_trainer_checkpoint_counts_like_any_other(tmp_path):
     """It does not stop the run by itself; it adds to the same count as cadence attempts."""
     rr, fakes = _rr(tmp_path, 3, "checkpointing.save_data_plane=true")
-    facade = RolloutRecovery(rr.cfg)
-    facade.coordinator = rr
+    job = job_of(rr.cfg, rr)  # the full config stands in for the coordinator's
     try:
-        assert facade.notify_trainer_checkpoint(1) == {"snapshot_s": None, "failed": 1}
-        assert facade.notify_trainer_checkpoint(2) == {"snapshot_s": None, "failed": 2}
+        assert steps.notify_trainer_checkpoint(job, 1, None) == {"snapshot_s": None, "failed": 1}
+        assert steps.notify_trainer_checkpoint(job, 2, None) == {"snapshot_s": None, "failed": 2}
         with pytest.raises(CheckpointWriteError, match="max_consecutive_failures=3"):
-            facade.notify_trainer_checkpoint(3)
+            steps.notify_trainer_checkpoint(job, 3, None)
     finally:
-        facade.close()
+        job.loop.stop()
     assert all(not f.held for f in fakes)
 
 

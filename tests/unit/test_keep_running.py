@@ -149,7 +149,7 @@ class _Proxy:
 
 
 class _Engines:
-    """lifecycle.Engines as the trainer's process holds them."""
+    """controller.job.Engines as the trainer's process holds them."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -167,11 +167,12 @@ class _Notices:
 
 
 def _closed(tmp_path, proxy: _Proxy, engines: _Engines, lost: ComponentLost, keep: bool,
-            standby: _Proxy | None = None):  # fmt: skip
+            standby: _Proxy | None = None, restores_left: bool = True):  # fmt: skip
     run = TrainingRun.__new__(TrainingRun)
     run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}",
                                  f"failover.keep_engines={str(keep).lower()}"])  # fmt: skip
     run.rollouts, run.engines, run.kept, run.standby = proxy, engines, None, standby
+    run.restores_left = restores_left
     run._notices, run._scratch = _Notices(), None
     run.close(lost=lost)
     return run
@@ -208,7 +209,7 @@ def test_the_engines_are_kept_where_they_can_serve_the_restore(
 
 def test_a_pool_with_a_lost_worker_is_not_kept():
     """A lost worker cannot serve the restored job: the reset refuses before touching any
-    engine, and the job start falls back to new engines (lifecycle.start_job)."""
+    engine, and the job start falls back to new engines (controller.job.build_job)."""
     from rollout_recovery.generation.pool import WorkerPool, WorkerSpec
 
     pool = WorkerPool([], WorkerSpec({}, None, 1.0, None))
@@ -284,23 +285,23 @@ class _Standby:
         self.calls.append("kill")
 
 
-def test_single_controller_gives_the_job_to_the_standby_or_starts_a_new_one(monkeypatch, tmp_path):
-    import rollout_recovery.api as api
+def test_start_controller_gives_the_job_to_the_standby_or_starts_a_new_one(monkeypatch, tmp_path):
+    import rollout_recovery.controller_actor as api
 
     made: list[tuple] = []
     monkeypatch.setattr(api, "init_ray", lambda *a, **k: None)
     monkeypatch.setattr(api, "ActorProxy", lambda *a, **k: made.append(a) or "new controller")
     cfg, engines = _cfg(tmp_path, 2), _Engines()
     live = _Standby()
-    assert api.SingleController(cfg, owner="o", engines=engines, standby=live) == (live, engines)
+    assert api.start_controller(cfg, owner="o", engines=engines, standby=live) == (live, engines)
     assert live.calls == ["take_over"] and made == [] and engines.calls == []
     dead = _Standby(dies_of="controller")  # it died while idle: a new controller starts
-    got = api.SingleController(cfg, owner="o", engines=engines, standby=dead)
+    got = api.start_controller(cfg, owner="o", engines=engines, standby=dead)
     assert got == ("new controller", engines) and dead.calls == ["take_over", "kill"]
     assert len(made) == 1 and engines.calls == []
     failed = _Standby(dies_of="store shard")  # its start failed: as a new controller's would
     with pytest.raises(ComponentLost, match="store shard"):
-        api.SingleController(cfg, owner="o", engines=engines, standby=failed)
+        api.start_controller(cfg, owner="o", engines=engines, standby=failed)
     assert engines.calls == ["stop"]
 
 
@@ -320,10 +321,10 @@ def test_the_standby_starts_after_a_step_where_a_restore_could_use_it(
     import rollout_recovery.run as run_module
 
     made: list[tuple] = []
-    monkeypatch.setattr(run_module, "Standby", lambda *a: made.append(a) or _Standby())
+    monkeypatch.setattr(run_module, "start_standby", lambda *a: made.append(a) or _Standby())
     run = TrainingRun.__new__(TrainingRun)
     run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}", *overrides])
-    run.start_step, run.standby, run.wants_standby, run.ray_address = 2, None, wants, "local"
+    run.start_step, run.standby, run.restores_left, run.ray_address = 2, None, wants, "local"
     run._notices, run._weights_due, run.rollouts = _Checked(), False, _Stepping()
     run.begin_step(step)
     if step == run.start_step:  # the first step after a start never starts it

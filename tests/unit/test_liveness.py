@@ -13,14 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from rollout_recovery.api import RolloutRecovery
 from rollout_recovery.config import LivenessConfig, load_config
+from rollout_recovery.controller import steps
 from rollout_recovery.controller.liveness import watch_step
 from rollout_recovery.environment.client import EnvironmentClient
 from rollout_recovery.environment.rollout_env import RolloutEnvironment
 from rollout_recovery.errors import RunStalled
 from rollout_recovery.protocol import EnvironmentProgress
-from tests.unit.test_checkpoint_protocol import _rr
+from tests.unit.test_checkpoint_protocol import _rr, job_of
 
 FAST = LivenessConfig(stall_timeout_s=0.3, check_interval_s=0.05)
 
@@ -186,17 +186,15 @@ def test_submit_groups_fails_in_one_line_and_counts_the_stall(tmp_path):
         f"environment.episode={__name__}:waits_on_nothing",
         "liveness.stall_timeout_s=0.5", "liveness.check_interval_s=0.05",
     ])  # fmt: skip
-    rr = RolloutRecovery(cfg)
     coordinator, _ = _rr(tmp_path)
     env = RolloutEnvironment(cfg.environment_config(), coordinator.workers, EmptyStore())
-    rr.env = EnvironmentClient(ThreadedActor(env))
-    rr.coordinator = coordinator
+    rr = job_of(cfg, coordinator, EnvironmentClient(ThreadedActor(env)))
     rr.state.step = 2
     outcome: dict = {}
 
     def submit() -> None:
         try:
-            rr.submit_groups([("s0002-p000", {"messages": []})], lambda g, i: i)
+            steps.submit_groups(rr, [("s0002-p000", {"messages": []})], lambda g, i: i)
         except Exception as err:
             outcome["error"] = err
 
@@ -212,3 +210,4 @@ def test_submit_groups_fails_in_one_line_and_counts_the_stall(tmp_path):
         assert progress.episodes_running == 4 and progress.calls_in_flight == 0
     finally:
         rr.env.actor.obj.close()
+        rr.loop.stop()

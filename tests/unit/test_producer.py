@@ -7,11 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rollout_recovery.api import GroupResult
 from rollout_recovery.config import load_config
 from rollout_recovery.data_plane import ReplayRow
 from rollout_recovery.producer import Cursor, OpenPrompt, Producer
-from rollout_recovery.protocol import group_id, parse_group_id
+from rollout_recovery.protocol import GroupResult, group_id, parse_group_id
 
 
 def _row(gid: str, i: int, oldest: int) -> ReplayRow:

@@ -9,14 +9,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from rollout_recovery.api import GroupResult
 from rollout_recovery.config import LivenessConfig
 from rollout_recovery.controller.coordinator import RunState
 from rollout_recovery.controller.metrics import RunMetrics
 from rollout_recovery.controller.stream import RolloutStream, StartedGroup
 from rollout_recovery.data_plane import ReplayRow
 from rollout_recovery.data_plane.errors import BadInputError
-from rollout_recovery.protocol import EpisodeOutcome
+from rollout_recovery.protocol import EpisodeOutcome, GroupResult
 
 
 class FakeEnv:
