@@ -358,8 +358,8 @@ def version_weights(run_dir: str, versions: set[int], tmp: Path) -> dict[str, st
     checkpoint of step v (its last one: a restore redoes steps), version 0 the base model."""
     from safetensors.torch import load, save_file
 
-    from rollout_recovery.controller import trainer_checkpoints
     from rollout_recovery.storage import RunStorage
+    from rollout_recovery.trainer import trainer_checkpoints
 
     storage = RunStorage(run_dir)
     out: dict[str, str | None] = {}
@@ -466,9 +466,9 @@ def lost_work(run_dir: str, kills: list[dict], level: str) -> list[dict]:
 
 
 def report(args, run_dir: str, kills: list[dict]) -> int:
-    from rollout_recovery.controller import trainer_checkpoints
-    from rollout_recovery.producer import CURSOR_KEY
     from rollout_recovery.storage import RunStorage
+    from rollout_recovery.trainer import trainer_checkpoints
+    from rollout_recovery.trainer.producer import CURSOR_KEY
 
     steps = final_steps(run_dir)
     last = trainer_checkpoints.read(RunStorage(run_dir), max(steps))

@@ -24,7 +24,7 @@ again, `failover.max_restores` times. `train` runs its loop this way.
 
 What the run does for the loop:
 
-- `open` claims the location first (controller/run_plan.py): a fresh run only as its first
+- `open` claims the location first (trainer/run_plan.py): a fresh run only as its first
   owner, so a location another run owns or is starting is refused with one line naming it; a
   restore chooses the newest snapshot whose trainer checkpoint is the one paired with it,
   verified (or refuses, deleting nothing), sets aside newer ones it skipped, and says so.
@@ -50,20 +50,9 @@ from pathlib import Path
 from typing import TypeVar
 
 from rollout_recovery.config import RolloutRecoveryConfig
-from rollout_recovery.controller import batches, step_log, trainer_checkpoints
 from rollout_recovery.controller.job import Engines
-from rollout_recovery.controller.run_plan import (
-    RestorePlan,
-    announce,
-    claim_fresh,
-    claim_restore,
-    paired_steps,
-    started_again,
-)
 from rollout_recovery.controller.selection import DATA_PLANE, run_has_state
 from rollout_recovery.controller.stream import StartedGroup
-from rollout_recovery.controller.tasks import make_tasks
-from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
 from rollout_recovery.controller_actor import start_controller, start_standby
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import LeaseResult
@@ -87,6 +76,17 @@ from rollout_recovery.preemption import NoticeWatch
 from rollout_recovery.protocol import GroupResult, group_id
 from rollout_recovery.runtime import ActorProxy
 from rollout_recovery.storage import RunStorage, StorageError
+from rollout_recovery.trainer import batches, step_log, trainer_checkpoints
+from rollout_recovery.trainer.run_plan import (
+    RestorePlan,
+    announce,
+    claim_fresh,
+    claim_restore,
+    paired_steps,
+    started_again,
+)
+from rollout_recovery.trainer.tasks import make_tasks
+from rollout_recovery.trainer.trainer_checkpoints import TrainerCheckpoint
 
 __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "group_id"]
 

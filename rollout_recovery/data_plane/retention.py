@@ -7,7 +7,7 @@ the newest k that verify and deletes only directories older than the oldest one 
 unpublished ones older than the newest one kept, never a directory holding a file that a kept
 snapshot lists; when none verifies it deletes nothing. It runs as an owner of the root (the
 ownership log, `ownership.py`): a fenced owner deletes nothing. It sees the root only: what a
-restore set aside (`controller/set_aside.py`, under the run's `set_aside/`) is never deleted.
+restore set aside (`trainer/set_aside.py`, under the run's `set_aside/`) is never deleted.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the rest in JSON.
 the optimizer's parameter groups (the data cursor goes in the checkpoint's `extra`). Equal
 states give equal bytes, so a recovered run's final checkpoint is byte-identical to an
 uninterrupted one's. The run keeps
-these files as any loop's (controller/trainer_checkpoints.py: written through fenced storage,
+these files as any loop's (trainer/trainer_checkpoints.py: written through fenced storage,
 paired with the next snapshot by digest, verified before they are handed back).
 """
 

@@ -37,8 +37,8 @@ from tqdm import tqdm
 
 from rollout_recovery.config import RolloutRecoveryConfig
 from rollout_recovery.errors import CheckpointWriteError, RecoveryError
-from rollout_recovery.producer import CURSOR_KEY, Cursor, Producer
 from rollout_recovery.run import TrainingRun, group_id
+from rollout_recovery.trainer.producer import CURSOR_KEY, Cursor, Producer
 from rollout_recovery.training.checkpoint import load_state, state_files
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages, importance_weights
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs

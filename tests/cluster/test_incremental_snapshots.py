@@ -209,7 +209,7 @@ def test_incremental_snapshots_on_s3(make_store):
 
 
 def test_inspection_counts_rows_and_names_a_damaged_file_of_the_chain(make_store, tmp_path):
-    from rollout_recovery.controller.inspection import (
+    from rollout_recovery.cli.inspection import (
         list_snapshots,
         show_snapshot,
         verify_location,

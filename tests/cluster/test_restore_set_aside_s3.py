@@ -10,10 +10,10 @@ import hashlib
 import pyarrow.fs as pafs
 import pytest
 
-from rollout_recovery.controller import run_plan
 from rollout_recovery.controller.selection import DATA_PLANE, select_snapshot
-from rollout_recovery.controller.set_aside import SET_ASIDE_DIR
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer import run_plan
+from rollout_recovery.trainer.set_aside import SET_ASIDE_DIR
 from rollout_recovery.training.checkpoint import load_state
 from tests.cluster.store_helpers import local_s3
 from tests.unit.test_restore_set_aside import config, old_run

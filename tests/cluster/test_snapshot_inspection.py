@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rollout_recovery.cli import main
-from rollout_recovery.controller.inspection import list_snapshots, show_snapshot, verify_location
+from rollout_recovery.cli.inspection import list_snapshots, show_snapshot, verify_location
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER
 from rollout_recovery.data_plane.filesystem import resolve
 from rollout_recovery.data_plane.snapshot_io import MANIFEST_NAME

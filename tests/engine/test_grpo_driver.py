@@ -63,7 +63,7 @@ def test_async_grpo_trains_each_prompt_once_on_young_enough_groups(ray_session, 
     import pyarrow as pa
 
     from rollout_recovery.data_plane import table_to_replay_rows
-    from rollout_recovery.producer import CURSOR_KEY
+    from rollout_recovery.trainer.producer import CURSOR_KEY
 
     cfg = tiny_cfg.model_copy(deep=True)
     cfg.token_capture.enabled = True

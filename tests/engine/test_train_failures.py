@@ -199,9 +199,9 @@ def test_a_damaged_newest_snapshot_is_skipped_on_the_terminal_and_in_the_step_lo
     finished_run, tmp_path, capsys
 ):
     from rollout_recovery.config import load_config
-    from rollout_recovery.controller.run_plan import announce as _announce
-    from rollout_recovery.controller.run_plan import plan_restore
     from rollout_recovery.storage import RunStorage
+    from rollout_recovery.trainer.run_plan import announce as _announce
+    from rollout_recovery.trainer.run_plan import plan_restore
 
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)

@@ -12,13 +12,13 @@ import pyarrow as pa
 import pytest
 
 from rollout_recovery.config import TokenCaptureConfig
-from rollout_recovery.controller import step_log, trainer_checkpoints
 from rollout_recovery.controller.selection import DATA_PLANE
 from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.errors import OwnerFenced
 from rollout_recovery.data_plane.ownership import Fence
 from rollout_recovery.data_plane.token_log_segments import TokenLogSegments
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer import step_log, trainer_checkpoints
 
 
 def tree(root: Path) -> dict[str, str]:

@@ -202,8 +202,9 @@ def test_the_check_finds_an_import_of_the_testing_wing(tmp_path):
 
 # The shipped driver is a loop like a user's: the public API, the config, the errors and its own
 # training modules (policy, loss, checkpoint format), nothing of the project's internals.
-DRIVER_MAY_IMPORT = ("rollout_recovery.run", "rollout_recovery.producer", "rollout_recovery.config",
-                     "rollout_recovery.errors", "rollout_recovery.training")  # fmt: skip
+DRIVER_MAY_IMPORT = ("rollout_recovery.run", "rollout_recovery.trainer.producer",
+                     "rollout_recovery.config", "rollout_recovery.errors",
+                     "rollout_recovery.training")  # fmt: skip
 
 
 def project_imports(path: Path) -> set[str]:
@@ -230,5 +231,5 @@ def test_the_shipped_driver_uses_only_the_public_api():
 
 def test_the_driver_check_finds_an_internal_import(tmp_path):
     loop = tmp_path / "loop.py"
-    loop.write_text("def f():\n    from rollout_recovery.controller.run_plan import plan_restore\n")
-    assert outside_public_api(loop) == {"rollout_recovery.controller.run_plan"}
+    loop.write_text("def f():\n    from rollout_recovery.trainer.run_plan import plan_restore\n")
+    assert outside_public_api(loop) == {"rollout_recovery.trainer.run_plan"}

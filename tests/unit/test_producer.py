@@ -9,8 +9,8 @@ import pytest
 
 from rollout_recovery.config import load_config
 from rollout_recovery.data_plane import ReplayRow
-from rollout_recovery.producer import Cursor, OpenPrompt, Producer
 from rollout_recovery.protocol import GroupResult, group_id, parse_group_id
+from rollout_recovery.trainer.producer import Cursor, OpenPrompt, Producer
 
 
 def _row(gid: str, i: int, oldest: int) -> ReplayRow:

@@ -13,13 +13,14 @@ import json
 import pytest
 
 from rollout_recovery.config import load_config
-from rollout_recovery.controller import run_plan, run_settings, step_log
+from rollout_recovery.controller import run_settings
 from rollout_recovery.controller.selection import DATA_PLANE
 from rollout_recovery.data_plane import StagingStore, ownership
 from rollout_recovery.data_plane.filesystem import resolve
 from rollout_recovery.data_plane.snapshot_io import new_snapshot_dir
 from rollout_recovery.errors import RestoreError, RunExistsError
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer import run_plan, step_log
 from tests.unit.test_restore_set_aside import Run, config, tree
 
 

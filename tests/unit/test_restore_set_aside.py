@@ -20,9 +20,7 @@ import pytest
 import torch
 
 from rollout_recovery.config import load_config
-from rollout_recovery.controller import run_plan, trainer_checkpoints
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER, select_snapshot
-from rollout_recovery.controller.set_aside import RECORD, SET_ASIDE_DIR
 from rollout_recovery.data_plane import retention
 from rollout_recovery.data_plane.filesystem import join, resolve
 from rollout_recovery.data_plane.schemas import row_kind, schema_version
@@ -39,6 +37,8 @@ from rollout_recovery.errors import RestoreError
 from rollout_recovery.protocol import Ledger, ServedModel
 from rollout_recovery.storage import RunStorage
 from rollout_recovery.testing.campaign.snapshot_files import replay_rows
+from rollout_recovery.trainer import run_plan, trainer_checkpoints
+from rollout_recovery.trainer.set_aside import RECORD, SET_ASIDE_DIR
 from rollout_recovery.training.checkpoint import load_state, state_files
 
 MODEL_PATH = "hf://org/tiny"  # a hub model is identified by its name: nothing to load

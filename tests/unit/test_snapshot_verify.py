@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 
 from rollout_recovery.cli import main
-from rollout_recovery.controller import trainer_checkpoints
 from rollout_recovery.model_identity import base_model_identity
 from rollout_recovery.protocol import Ledger, ServedModel
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer import trainer_checkpoints
 from rollout_recovery.training.checkpoint import state_files
 from tests.unit.test_cli import _published
 

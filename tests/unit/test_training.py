@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_recovery.controller import trainer_checkpoints
-from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpointError
 from rollout_recovery.episodes.tally import digit_share, reward, tasks
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer import trainer_checkpoints
+from rollout_recovery.trainer.trainer_checkpoints import TrainerCheckpointError
 from rollout_recovery.training.checkpoint import load_state, state_files
 from rollout_recovery.training.grpo import clipped_pg_loss, group_advantages
 from rollout_recovery.training.policy import export_weights, load_policy, token_logprobs
@@ -217,8 +217,8 @@ def test_a_restore_whose_episodes_the_first_step_would_not_run_is_refused():
     """Restored episodes of groups or generations the restored step does not submit would wait
     for a step that never comes: refused before anything starts (the driver's plan)."""
     from rollout_recovery.config import load_config
-    from rollout_recovery.controller.run_plan import check_claimed as _check_claimed
     from rollout_recovery.errors import RestoreError
+    from rollout_recovery.trainer.run_plan import check_claimed as _check_claimed
 
     cfg = load_config(None, ["grpo.prompts_per_step=1", "grpo.generations_per_prompt=2"])
     _check_claimed(cfg, _choice(("s0000-p000", 0), ("s0000-p000", 1)), 0)  # all claimed

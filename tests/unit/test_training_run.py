@@ -8,15 +8,15 @@ from __future__ import annotations
 import pytest
 
 from rollout_recovery.config import load_config
-from rollout_recovery.controller.run_plan import RestorePlan
 from rollout_recovery.controller.selection import DATA_PLANE, SnapshotChoice
-from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpoint
 from rollout_recovery.data_plane import StagingStore
 from rollout_recovery.data_plane.ownership import Fence
 from rollout_recovery.errors import RecoveryError, RunExistsError
 from rollout_recovery.protocol import Ledger, ServedModel
 from rollout_recovery.run import TrainingRun
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer.run_plan import RestorePlan
+from rollout_recovery.trainer.trainer_checkpoints import TrainerCheckpoint
 
 
 def _run(tmp_path, plan: RestorePlan | None) -> TrainingRun:
@@ -51,7 +51,7 @@ def test_a_steps_calls_outside_a_step_are_refused(tmp_path):
 
 
 def test_a_second_fresh_run_on_a_claimed_location_is_refused_naming_the_owner(tmp_path):
-    from rollout_recovery.controller.run_plan import claim_fresh
+    from rollout_recovery.trainer.run_plan import claim_fresh
 
     storage = RunStorage(str(tmp_path / "run"))
     claim_fresh(storage)

@@ -23,7 +23,6 @@ import ray
 
 from rollout_recovery.cli import main
 from rollout_recovery.config import ConfigError, load_config
-from rollout_recovery.controller.tasks import make_tasks
 from rollout_recovery.environment.dispatch import EpisodeFailed
 from rollout_recovery.environment.episode import EpisodeState
 from rollout_recovery.environment.model_client import ModelCallFailed, PrefixNotSuppliedError
@@ -32,6 +31,7 @@ from rollout_recovery.episodes import tally
 from rollout_recovery.errors import RecoveryError, UserCodeError, WorkerDied, user_frames
 from rollout_recovery.generation.pool import WorkerPool
 from rollout_recovery.runtime import LoopThread, expected, remote_result
+from rollout_recovery.trainer.tasks import make_tasks
 from rollout_recovery.training import driver
 
 HERE = Path(__file__).name

@@ -236,8 +236,8 @@ def trainer_checkpoint_digest(run_dir: str, step: int) -> dict[str, str]:
     write's leftover temporary file (an orphan, reported as one)."""
     import hashlib
 
-    from rollout_recovery.controller.trainer_checkpoints import STEP_RECORD, trainer_dir
     from rollout_recovery.storage import TMP_MARK
+    from rollout_recovery.trainer.trainer_checkpoints import STEP_RECORD, trainer_dir
 
     storage = _storage(run_dir)
     where = trainer_dir(step)
@@ -526,12 +526,12 @@ def check_orphans(out: CaseResult, run_dir: str) -> None:
     """No temporary file, unpublished or unverifiable snapshot, or incomplete trainer
     checkpoint left under the run."""
     from rollout_recovery.controller.selection import DATA_PLANE
-    from rollout_recovery.controller.trainer_checkpoints import TrainerCheckpointError, read_meta
     from rollout_recovery.data_plane.snapshot_io import (
         SNAPSHOT_DIR_RE,
         published_uris,
         verify_snapshot,
     )
+    from rollout_recovery.trainer.trainer_checkpoints import TrainerCheckpointError, read_meta
 
     storage = _storage(run_dir)
     orphans = [f"temporary file {t}" for t in storage.leftover_temporaries()]

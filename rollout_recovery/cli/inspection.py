@@ -34,7 +34,6 @@ import pyarrow.fs as pafs
 from pydantic import BaseModel, ValidationError
 
 from rollout_recovery.config import HUB_MODEL_SCHEME, STORAGE_SCHEMES, TINY_MODEL_SCHEME
-from rollout_recovery.controller import trainer_checkpoints
 from rollout_recovery.controller.selection import DATA_PLANE, LEDGER, check_model
 from rollout_recovery.data_plane import ownership
 from rollout_recovery.data_plane.errors import SnapshotError
@@ -54,12 +53,13 @@ from rollout_recovery.errors import RestoreError, one_line
 from rollout_recovery.model_identity import base_model_identity
 from rollout_recovery.protocol import LEDGER_FORMAT, Ledger, ServedModel
 from rollout_recovery.storage import RunStorage, StorageError
+from rollout_recovery.trainer import trainer_checkpoints
 
 Status = Literal["published", "unpublished", "damaged"]
 _SHA_PREFIX = 12  # hex digits of a sha256 shown by `show`: enough to compare by eye
 _HASH_CHUNK = 8 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-# What a training run leaves in its location (run.py, controller/trainer_checkpoints.py):
+# What a training run leaves in its location (run.py, trainer/trainer_checkpoints.py):
 # a run holding either pairs its snapshots with trainer checkpoints.
 _TRAINER_DIR, _STEPS_LOG = "trainer", "steps.jsonl"
 

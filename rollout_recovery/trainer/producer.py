@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout_recovery.controller.stream import StartedGroup
-from rollout_recovery.controller.tasks import make_tasks
 from rollout_recovery.protocol import GroupResult, group_id, parse_group_id
+from rollout_recovery.trainer.tasks import make_tasks
 
 CURSOR_KEY = "async_cursor"  # the cursor's key in a trainer checkpoint's `extra`
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from rollout_recovery.controller.trainer_checkpoints import read_step_record
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer.trainer_checkpoints import read_step_record
 
 STEPS_LOG = "steps.jsonl"
 

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from rollout_recovery.config import RolloutRecoveryConfig
-from rollout_recovery.controller import run_settings, step_log, trainer_checkpoints
+from rollout_recovery.controller import run_settings
 from rollout_recovery.controller.selection import (
     DATA_PLANE,
     SnapshotChoice,
@@ -29,17 +29,6 @@ from rollout_recovery.controller.selection import (
     run_has_state,
     select_snapshot,
 )
-from rollout_recovery.controller.set_aside import (
-    RECORD,
-    SetAside,
-    restore_id,
-    set_aside_skipped,
-    snapshot_name,
-)
-from rollout_recovery.controller.trainer_checkpoints import (
-    TrainerCheckpoint,
-    TrainerCheckpointError,
-)
 from rollout_recovery.data_plane import SnapshotError, StagingStore
 from rollout_recovery.data_plane.errors import OwnershipConflict
 from rollout_recovery.data_plane.ownership import Fence, Owner
@@ -48,6 +37,18 @@ from rollout_recovery.errors import RestoreError, RunExistsError
 from rollout_recovery.model_identity import base_model_identity, resolve_model_path
 from rollout_recovery.protocol import Ledger, group_id, parse_group_id
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer import step_log, trainer_checkpoints
+from rollout_recovery.trainer.set_aside import (
+    RECORD,
+    SetAside,
+    restore_id,
+    set_aside_skipped,
+    snapshot_name,
+)
+from rollout_recovery.trainer.trainer_checkpoints import (
+    TrainerCheckpoint,
+    TrainerCheckpointError,
+)
 
 
 @dataclass

@@ -302,7 +302,7 @@ def _episodes_text(snap) -> list[str]:
 
 
 def _cmd_snapshots_ls(args: argparse.Namespace) -> int:
-    from rollout_recovery.controller.inspection import list_claims, list_snapshots
+    from rollout_recovery.cli.inspection import list_claims, list_snapshots
 
     root, found = list_snapshots(args.target)
     claims = list_claims(args.target)
@@ -341,7 +341,7 @@ def _cmd_snapshots_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_snapshots_show(args: argparse.Namespace) -> int:
-    from rollout_recovery.controller.inspection import show_snapshot
+    from rollout_recovery.cli.inspection import show_snapshot
 
     d = show_snapshot(args.target, args.name)
     if args.json:
@@ -393,7 +393,7 @@ def _check_text(check) -> str:
 
 
 def _cmd_snapshots_verify(args: argparse.Namespace) -> int:
-    from rollout_recovery.controller.inspection import verify_location
+    from rollout_recovery.cli.inspection import verify_location
 
     model = None
     if args.config is not None or args.model is not None:  # validated as a run's config is
@@ -603,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     write, an unusable checkpoint location, a dead worker without failover or an error in the
     user's own code exit 1. The last is followed by the user's own traceback frames (never
     the project's, Ray's or the standard library's). Nothing is deleted on any of them."""
-    from rollout_recovery.controller.inspection import InspectionError
+    from rollout_recovery.cli.inspection import InspectionError
     from rollout_recovery.data_plane.errors import SnapshotError
     from rollout_recovery.errors import RecoveryError, unwrapped
     from rollout_recovery.storage import StorageError
@@ -630,7 +630,3 @@ def main(argv: list[str] | None = None) -> int:
         # Output piped into `head` and cut short: not an error (no traceback, as other tools).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-
-
-if __name__ == "__main__":
-    sys.exit(main())
