@@ -40,20 +40,14 @@ What the run does for the loop:
 
 from __future__ import annotations
 
-import contextlib
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from rollout_recovery.config import RolloutRecoveryConfig
-from rollout_recovery.controller.job import Engines
 from rollout_recovery.controller.selection import DATA_PLANE, run_has_state
 from rollout_recovery.controller.stream import StartedGroup
-from rollout_recovery.controller_actor import start_controller, start_standby
 from rollout_recovery.crashpoints import crash_point
 from rollout_recovery.data_plane import LeaseResult
 from rollout_recovery.data_plane.ownership import Fence, Owner
@@ -64,19 +58,15 @@ from rollout_recovery.errors import (
     RecoveryError,
     RunStalled,
 )
-from rollout_recovery.healing import (
-    KEEPS_ENGINES,
-    Action,
-    Circumstances,
-    Phase,
-    decide,
-)
 from rollout_recovery.model_identity import resolve_model_path
 from rollout_recovery.preemption import NoticeWatch
 from rollout_recovery.protocol import GroupResult, group_id
 from rollout_recovery.runtime import ActorProxy
 from rollout_recovery.storage import RunStorage, StorageError
 from rollout_recovery.trainer import batches, step_log, trainer_checkpoints
+from rollout_recovery.trainer.final_checkpoint import final_checkpoint
+from rollout_recovery.trainer.held_job import HeldJob, Kept
+from rollout_recovery.trainer.restore_loop import restore_in_process
 from rollout_recovery.trainer.run_plan import (
     RestorePlan,
     announce,
@@ -85,34 +75,14 @@ from rollout_recovery.trainer.run_plan import (
     paired_steps,
     started_again,
 )
+from rollout_recovery.trainer.step_figures import StepFigures
 from rollout_recovery.trainer.tasks import make_tasks
 from rollout_recovery.trainer.trainer_checkpoints import TrainerCheckpoint
+from rollout_recovery.trainer.weights import RunWeights
 
 __all__ = ["GroupResult", "StartedGroup", "TrainerCheckpoint", "TrainingRun", "group_id"]
 
-WEIGHTS_DIR = "weights"
 T = TypeVar("T")
-
-
-@dataclass
-class Kept:
-    """What a restore in this process keeps of the job before (`TrainingRun.keep_running`):
-    its engines, its controller when that is alive (halted) to build the job again, and the
-    standby controller that takes the job after the controller's death."""
-
-    controller: ActorProxy | None
-    engines: Engines
-    standby: ActorProxy | None = None
-
-    def stop(self) -> None:
-        for actor in (self.controller, self.standby):
-            if actor is not None:
-                with contextlib.suppress(Exception):
-                    actor.kill()
-        self.engines.stop()
-
-
-CLOSE_S = 5.0  # of a preemption's grace, kept for stopping the job after its checkpoint
 
 
 class TrainingRun:
@@ -123,28 +93,41 @@ class TrainingRun:
         plan: RestorePlan | None,
     ) -> None:  # fmt: skip
         self.cfg, self.storage, self.owner, self._plan = cfg, storage, owner, plan
-        self.start_step = plan.step if plan is not None else 0
-        self.checkpoint: TrainerCheckpoint | None = plan.checkpoint if plan else None
-        self.rollouts: ActorProxy | None = None  # the controller actor (controller_actor.py)
-        self._weights_due = self.checkpoint is not None  # pushed before the first step
-        self._scratch: tempfile.TemporaryDirectory | None = None
-        self.weights_dir = self._weights_dir()
-        self.weight_version = plan.choice.ledger.weight_version if plan else 0
-        self._step: int | None = None
-        self._t0, self._gen_s, self._tokens, self._wait_s = 0.0, 0.0, 0, 0.0
-        self._push_s = 0.0
-        self._before: dict[str, float] = {}
-        self._batch_digest: str | None = None
+        self.job: HeldJob | None = None  # the controller actor and its engines (`open`)
+        self.weights = RunWeights(storage, owner, plan.choice.ledger if plan else None,
+                                  due=plan is not None and plan.checkpoint is not None)  # fmt: skip
+        self.figures: StepFigures | None = None  # the step in progress
         self.restored: dict | None = None  # the restored snapshot's ledger (`open`)
         self.model_dir = resolve_model_path(cfg.policy.model_path)  # policy.model_path, local
         self._notices = NoticeWatch(cfg.preemption)  # SIGTERM / notice file (preemption.py)
         self._last_step = self.start_step - 1  # the last step begun
         self.opened: dict[str, float] = {}  # how long `open`'s parts took (keep_running logs it)
         self.kept: Kept | None = None  # what of the job a restore in this process keeps
-        self.ray_address = "local"
-        self.standby: ActorProxy | None = None  # failover.standby_controller (`_start_standby`)
         self.restores_left = False  # keep_running sets it while it has restores left
-        self.engines: Engines | None = None  # started here for the controller actor
+
+    @property
+    def start_step(self) -> int:
+        return self._plan.step if self._plan is not None else 0
+
+    @property
+    def checkpoint(self) -> TrainerCheckpoint | None:
+        """The trainer checkpoint paired with the restored snapshot (None: a fresh start)."""
+        return self._plan.checkpoint if self._plan is not None else None
+
+    @property
+    def rollouts(self) -> ActorProxy:
+        """The controller actor (api.py's calls), for `counters()` and the other calls."""
+        if self.job is None:
+            raise RecoveryError("the run's job is not running (closed, or not opened)")
+        return self.job.rollouts
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.weights.dir
+
+    @property
+    def weight_version(self) -> int:
+        return self.weights.version
 
     @classmethod
     def open(
@@ -176,19 +159,11 @@ class TrainingRun:
         run = cls(cfg, mine, owner, plan)
         t1 = time.monotonic()
         try:
-            run.ray_address = ray_address
             # Before Ray's start (init_ray keeps this handler over Ray's): a notice while the
             # job starts ends the start at once, with nothing published.
             run._notices.start()
             with run._notices.interruptible():
-                if kept is None or kept.controller is None:  # a new controller (on kept engines)
-                    engines, standby = (kept.engines, kept.standby) if kept else (None, None)
-                    run.rollouts, run.engines = start_controller(cfg, ray_address, owner,
-                                                                 engines, standby)  # fmt: skip
-                else:  # the halted controller, built again around its engines
-                    run.rollouts, run.engines = kept.controller, kept.engines
-                    run.standby = kept.standby
-                    kept.controller.restart(owner)
+                run.job = HeldJob.start(cfg, ray_address, owner, kept)
             t2 = time.monotonic()
             if plan is not None:
                 run.restored = run.rollouts.restore(plan.choice.snapshot)
@@ -217,44 +192,7 @@ class TrainingRun:
         `loop` is called again with the restored run (it starts at `run.start_step`). Each
         restore is said on the terminal and logged (`restored_in_process`). One death more
         raises the ComponentLost, its line saying to continue with `train --restore`."""
-        restores, lost, stopped_at, kept = 0, None, 0.0, None
-        while True:
-            run = None
-            try:
-                with cls.open(cfg, restore, ray_address, kept) as run:
-                    run.restores_left = restores < cfg.failover.max_restores
-                    if kept is not None and not run.opened.get("engines_kept"):
-                        print("the engines could not be kept (a worker was lost or replaced): "
-                              "they started again", flush=True)  # fmt: skip
-                    if lost is not None:  # with the time to recover, by part
-                        step_log.append(run.storage, {
-                            "event": "restored_in_process", "component": lost.component,
-                            "reason": lost.reason, "restores": restores,
-                            "step": run.start_step, "noticed_at": lost.at,
-                            "stopped_s": stopped_at - lost.at, **run.opened})  # fmt: skip
-                    return loop(run)
-            except BaseException as err:
-                if run is None and kept is not None:  # `open` failed before it took them
-                    kept.stop()
-                    kept = None
-                if not isinstance(err, ComponentLost):
-                    raise
-                stopped_at = time.time()  # the rest of the job was stopped on the way out
-                kept = run.kept if run is not None else None
-                allowed = cfg.failover.max_restores
-                left = Circumstances(restores_left=restores < allowed)
-                phase = Phase.STARTING if run is None else Phase.RUNNING
-                if decide(err.component, phase, left) is Action.END_RUN:
-                    used = (f"{err}; failover.max_restores={allowed} restores in this process "
-                            "were used: continue the run with `train --restore`")  # fmt: skip
-                    if kept is not None:
-                        kept.stop()
-                    raise ComponentLost(err.component, err.reason, used) from None
-                restores, lost, restore = restores + 1, err, True
-                engines = "starting the engines again" if kept is None else "keeping the engines"
-                print(f"{err}: restoring the run in this process from its newest snapshot, "
-                      f"{engines} ({restores} of failover.max_restores={allowed})",
-                      flush=True)  # fmt: skip
+        return restore_in_process(cls.open, cfg, loop, restore, ray_address)
 
     def __enter__(self) -> TrainingRun:
         return self
@@ -270,139 +208,34 @@ class TrainingRun:
         self.close(lost=err if isinstance(err, ComponentLost) else None)
 
     def close(self, preempted: bool = False, lost: ComponentLost | None = None) -> None:
-        """Stop the job (workers, store, environment); the location keeps everything. After a
-        preemption's final snapshot nothing the job holds is needed and the grace is short.
-        After an actor of the job died (`lost`) the controller may be gone or still waiting on
-        it: it is ended at once, unless the engines can serve the restore (`_keep`), when they
-        are kept in `kept`. The engines were started in this process (`start_controller`): whatever
-        the controller did not stop is ended here."""
+        """Stop the job (workers, store, environment); the location keeps everything. After an
+        actor of the job died (`lost`), what the healing table says serves the restore is kept
+        in `kept` (trainer/held_job.py)."""
         self._notices.stop()
         try:
-            if self.rollouts is not None:
-                rollouts, self.rollouts = self.rollouts, None
-                self.kept = self._keep(rollouts, lost) if lost is not None else None
-                if self.kept is not None:
-                    self.engines = self.standby = None  # handed on
-                elif preempted or lost:
-                    rollouts.kill()
-                else:
-                    try:
-                        rollouts.close()
-                        self.engines = None  # the controller stopped them
-                    except ComponentLost:  # the controller died under the loop's own error
-                        rollouts.kill()
+            if self.job is not None:
+                job, self.job = self.job, None
+                self.kept = job.close(self.cfg, preempted, lost, self.restores_left)
         finally:
-            if self.standby is not None:
-                with contextlib.suppress(Exception):
-                    self.standby.kill()
-                self.standby = None
-            if self.engines is not None:  # however the controller ended
-                engines, self.engines = self.engines, None
-                engines.stop()
-        if self._scratch is not None:
-            self._scratch.cleanup()
-            self._scratch = None
-
-    def _keep(self, rollouts: ActorProxy, lost: ComponentLost) -> Kept | None:
-        """What of the job serves its restore, as the healing table decides (healing.py), or
-        None: the engines start again (or the run ends). After the controller's death its
-        engines, which this process started, are alive: the standby or a new controller resets
-        them. After a store shard's or the environment actor's death the controller is alive
-        too: the other store shards and environment actors are ended (`halt`), its call still
-        waiting on them must end within `failover.settle_s`, and it builds the job again
-        itself (`restart`)."""
-        fo, engines = self.cfg.failover, self.engines
-        c = Circumstances(
-            failover=fo.enabled,
-            keep_engines=fo.keep_engines and engines is not None,
-            restores_left=self.restores_left,
-            standby=self.standby is not None,
-        )
-        action = decide(lost.component, Phase.RUNNING, c)
-        if action not in KEEPS_ENGINES:
-            return None
-        if action is not Action.REBUILD_ON_KEPT_ENGINES:  # the controller died
-            rollouts.kill()
-            engines.drop_store()  # its shards hold their placement; the restore starts anew
-            return Kept(None, engines, self.standby)
-        try:
-            rollouts.call_in("control", "halt", timeout=fo.settle_s)
-            settled = rollouts.settled(fo.settle_s)
-        except Exception:  # the controller is gone or stuck: the engines start again
-            settled = False
-        if decide(lost.component, Phase.RUNNING, replace(c, settled=settled)) in KEEPS_ENGINES:
-            engines.drop_store()
-            return Kept(rollouts, engines, self.standby)
-        return None
+            self.weights.cleanup()
 
     def _final_checkpoint(self) -> None:
-        """A preemption: hold every call, cut it, publish a snapshot within the grace left
-        (less the time to stop), log it, and say in one line what was saved."""
-        notice, grace = self._notices.notice, self.cfg.preemption.grace_s
-        left = self._notices.time_left() - min(CLOSE_S, grace / 5)
-        if self.rollouts is None or left <= 0:
-            out = {"failed": f"no time left of preemption.grace_s={grace:g}"}
-        else:
-            try:
-                out = self.rollouts.call_in("control", "preempt", left, self._last_step + 1)
-            except ComponentLost as err:  # a death while preempting (healing.py): it failed
-                out = {"failed": str(err)}
-        event = {"event": "preempted", "notice": notice, "step": self._last_step + 1} | {
-            k: out[k]
-            for k in ("held", "checkpoint", "calls_cut", "calls_not_cut", "failed", "save_s")
-            if k in out
-        }
-        with contextlib.suppress(RecoveryError, OSError):  # the line below says it either way
-            step_log.append(self.storage, event)
-        if "failed" in out:
-            held = "snapshot holds"
-            if self.cfg.token_capture.log_interval_tokens:
-                held = "snapshot and the token log hold"
-            print(f"preempted ({notice}): the final checkpoint did not finish within "
-                  f"preemption.grace_s={grace:g} ({out['failed']}); the last published {held} "
-                  "the run (none published: the run starts again from step 0): continue it "
-                  "with `train --restore`", flush=True)  # fmt: skip
-            return
-        print(f"preempted ({notice}): {out.get('held', 0)} calls in flight held, "
-              f"{out.get('calls_cut', 0)} cut; snapshot {out['checkpoint']} published in "
-              f"{out['save_s']:.1f} s; continue with `train --restore`", flush=True)  # fmt: skip
+        """A preemption: hold every call, cut it, publish a snapshot within the grace left."""
+        rollouts = self.job.rollouts if self.job is not None else None
+        final_checkpoint(self._notices, rollouts, self.storage, self.cfg, self._last_step + 1)
 
     # ------------------------------------------------------------------ weights
-
-    def _weights_dir(self) -> Path:
-        """A directory of this owner's own for the weights the workers load (a stale owner
-        never writes into the newer one's); older owners' are removed. On an object store, a
-        local temporary directory (the workers load from local files)."""
-        here = self.storage.local_path(WEIGHTS_DIR)
-        if here is None:
-            self._scratch = tempfile.TemporaryDirectory(prefix="rollout-recovery-weights-")
-            return Path(self._scratch.name)
-        mine = here / f"epoch-{self.owner.epoch:06d}"
-        for old in here.glob("epoch-*") if here.is_dir() else []:
-            if old != mine:
-                shutil.rmtree(old, ignore_errors=True)
-        mine.mkdir(parents=True, exist_ok=True)
-        return mine
 
     def push_weights(self) -> int:
         """Load the weights the loop wrote into `weights_dir` into every worker; returns their
         weight version. The first push after a restore re-establishes the snapshot's version,
         and refuses weights other than the ones its calls were decoded with."""
         self.storage.check_owner("pushing weights to the workers")
-        t0 = time.monotonic()
         a = self.cfg.grpo.async_grpo
-        in_flight = not a.enabled or a.in_flight_weight_updates
-        if self._weights_due:
-            ledger = self._plan.choice.ledger
-            version = self.rollouts.push_weights(str(self.weights_dir), ledger.weight_version,
-                                                 ledger.model.weights_sha256)  # fmt: skip
-            self._weights_due = False
-        else:
-            version = self.rollouts.push_weights(str(self.weights_dir), None, None, in_flight)
-            if self._step is not None:
-                crash_point("weights_pushed")
-        self.weight_version = version
-        self._push_s = time.monotonic() - t0
+        restoring = self.weights.due
+        version = self.weights.push(self.rollouts, not a.enabled or a.in_flight_weight_updates)
+        if not restoring and self.figures is not None:
+            crash_point("weights_pushed")
         return version
 
     # ------------------------------------------------------------------ a step
@@ -410,31 +243,21 @@ class TrainingRun:
     def begin_step(self, step: int) -> None:
         """Start generating step `step`'s rollouts (recorded in the snapshots' ledgers)."""
         self._notices.check()
-        if self._weights_due:
+        if self.weights.due:
             raise RecoveryError(
                 f"run.checkpoint holds the trainer state of step {self.checkpoint.step}: load it, "
                 "write its weights to run.weights_dir and call run.push_weights() before "
                 "run.begin_step (the restored calls continue with those weights)"
             )
         self.rollouts.set_step(step)
-        if step > self.start_step:  # after a step, so its start never slows a restore's first
-            self._start_standby()
-        self._step, self._t0, self._batch_digest = step, time.monotonic(), None
-        self._last_step = step
-        self._wait_s = 0.0
-        self._before = self.rollouts.counters()
-
-    def _start_standby(self) -> None:
-        """Start the standby controller (`failover.standby_controller`) where `keep_running`
-        could still restore: it takes the job after the controller's death (`start_standby`)."""
         fo = self.cfg.failover
-        if (
-            self.standby is None
-            and self.restores_left
-            and fo.keep_engines
-            and (fo.standby_controller)
-        ):
-            self.standby = start_standby(self.cfg, self.ray_address)
+        # After a step, so its start never slows a restore's first calls; only where
+        # keep_running could still restore (healing.py: the standby takes the job).
+        wanted = self.restores_left and fo.keep_engines and fo.standby_controller
+        if step > self.start_step and wanted:
+            self.job.start_standby(self.cfg)
+        self._last_step = step
+        self.figures = StepFigures(step, self.rollouts.counters())
 
     def tasks(self, step: int) -> list[dict]:
         """Step `step`'s tasks from `environment.tasks(grpo.prompts_per_step, seed)`, checked;
@@ -454,8 +277,7 @@ class TrainingRun:
             step_log.append(self.storage, {"event": "stalled", "step": step,
                                            "reason": err.reason, "error": str(err)})  # fmt: skip
             raise
-        self._gen_s = time.monotonic() - self._t0
-        self._tokens = sum(r.generated_tokens for r in results)
+        self.figures.generated(results)
         return results
 
     # ------------------------------------------------------------------ asynchronous GRPO
@@ -470,7 +292,7 @@ class TrainingRun:
         t0 = time.monotonic()
         with self._notices.interruptible():
             results = self._watched("finished_groups", n, timeout_s)
-        self._wait_s += time.monotonic() - t0
+        self.figures.wait_s += time.monotonic() - t0
         return results
 
     def drop_groups(self, results: list[GroupResult], reason: str) -> int:
@@ -492,14 +314,13 @@ class TrainingRun:
         step = self._current() + 1
         self.rollouts.record_call_attempts(step)
         if self.cfg.grpo.async_grpo.enabled:  # generated while earlier steps trained
-            self._tokens = sum(r.generated_tokens for r in results)
-            self._gen_s = time.monotonic() - self._t0
+            self.figures.generated(results)
         lease = self.rollouts.take_groups(results, ttl_s)
         crash_point("batch_leased")
         self.storage.write_bytes(batches.batch_rel(step, "arrow"), batches.batch_bytes(lease.rows))
         self.storage.write_bytes(batches.batch_rel(step, "results.json"),
                                  batches.results_json(results))  # fmt: skip
-        self._batch_digest = batches.batch_digest(lease.rows)
+        self.figures.batch_digest = batches.batch_digest(lease.rows)
         return lease
 
     def ack(self, lease: LeaseResult) -> int:
@@ -516,17 +337,9 @@ class TrainingRun:
         step's line (`record` plus the run's figures) to the step log; returns that line."""
         step = self._current() + 1
         c0 = time.monotonic()
-        line = {
-            "step": step,
-            **(record or {}),
-            "generated_tokens": self._tokens,
-            "tokens_per_s": self._tokens / self._gen_s if self._gen_s else 0.0,
-            "weight_version": self.weight_version,
-            "batch_digest": self._batch_digest,
-            "trainer_wait_s": self._wait_s,
-            "push_s": self._push_s,
-            **{k: v - self._before.get(k, 0) for k, v in self.rollouts.counters().items()},
-        }
+        fig = self.figures
+        line = fig.line(step, record or {}, self.weight_version, self.weights.push_s,
+                        self.rollouts.counters())  # fmt: skip
         kept = line | {"checkpoint_s": None, "snapshot_s": None}  # completes a lost log line
         try:
             meta = trainer_checkpoints.save(self.storage, step, files, extra or {}, kept)
@@ -547,10 +360,10 @@ class TrainingRun:
             keep = self.cfg.rollout_checkpointing.keep_latest_k
             trainer_checkpoints.prune(self.storage, keep, paired)
         line |= {"checkpoint_s": time.monotonic() - c0, "snapshot_s": snap["snapshot_s"],
-                 "generation_s": self._gen_s, "step_s": time.monotonic() - self._t0}  # fmt: skip
+                 "generation_s": fig.gen_s, "step_s": time.monotonic() - fig.t0}  # fmt: skip
         step_log.append(self.storage, line)
         crash_point("step_logged")
-        self._step = None
+        self.figures = None
         self._notices.check()  # a notice during the step: its checkpoint is written, now stop
         return line
 
@@ -579,6 +392,6 @@ class TrainingRun:
             raise
 
     def _current(self) -> int:
-        if self._step is None:
+        if self.figures is None:
             raise RecoveryError("call run.begin_step(step) first: no step is in progress")
-        return self._step
+        return self.figures.step

@@ -7,13 +7,15 @@ under a stream of faults, restores in process with exact parity in the chaos soa
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from rollout_recovery.config import load_config
 from rollout_recovery.errors import ComponentLost
-from rollout_recovery.run import Kept, TrainingRun
+from rollout_recovery.run import TrainingRun
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer.held_job import HeldJob, Kept
 
 
 class _OpenedRun:
@@ -166,14 +168,19 @@ class _Notices:
         pass
 
 
+class _Weights:
+    def cleanup(self) -> None:
+        pass
+
+
 def _closed(tmp_path, proxy: _Proxy, engines: _Engines, lost: ComponentLost, keep: bool,
             standby: _Proxy | None = None, restores_left: bool = True):  # fmt: skip
     run = TrainingRun.__new__(TrainingRun)
     run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}",
                                  f"failover.keep_engines={str(keep).lower()}"])  # fmt: skip
-    run.rollouts, run.engines, run.kept, run.standby = proxy, engines, None, standby
+    run.job, run.kept = HeldJob(proxy, engines, "local", standby), None
     run.restores_left = restores_left
-    run._notices, run._scratch = _Notices(), None
+    run._notices, run.weights = _Notices(), _Weights()
     run.close(lost=lost)
     return run
 
@@ -196,7 +203,7 @@ def test_the_engines_are_kept_where_they_can_serve_the_restore(
     engines = _Engines()
     lost = ComponentLost(component, "its worker process has died")
     run = _closed(tmp_path, proxy, engines, lost, keep)
-    assert run.engines is None
+    assert run.job is None
     if expect is None:  # everything stopped: the restore starts new engines
         assert run.kept is None and "kill" in proxy.calls and engines.calls[-1] == "stop"
         return
@@ -249,7 +256,7 @@ def test_the_standby_controller_is_handed_on_with_the_engines_or_ended(tmp_path,
     standby = _Proxy()
     lost = ComponentLost(component, "its worker process has died")
     run = _closed(tmp_path, _Proxy(), _Engines(), lost, keep, standby)
-    assert run.standby is None
+    assert run.job is None
     if run.kept is not None:
         assert run.kept.standby is standby and standby.calls == []
     else:
@@ -318,17 +325,18 @@ def test_start_controller_gives_the_job_to_the_standby_or_starts_a_new_one(monke
 def test_the_standby_starts_after_a_step_where_a_restore_could_use_it(
     monkeypatch, tmp_path, overrides, wants, step, started
 ):
-    import rollout_recovery.run as run_module
+    import rollout_recovery.trainer.held_job as held_job
 
     made: list[tuple] = []
-    monkeypatch.setattr(run_module, "start_standby", lambda *a: made.append(a) or _Standby())
+    monkeypatch.setattr(held_job, "start_standby", lambda *a: made.append(a) or _Standby())
     run = TrainingRun.__new__(TrainingRun)
     run.cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}", *overrides])
-    run.start_step, run.standby, run.restores_left, run.ray_address = 2, None, wants, "local"
-    run._notices, run._weights_due, run.rollouts = _Checked(), False, _Stepping()
+    run._plan, run.restores_left = SimpleNamespace(step=2, checkpoint=None), wants
+    run.job = HeldJob(_Stepping(), None, "local")
+    run._notices, run.weights = _Checked(), SimpleNamespace(due=False)
     run.begin_step(step)
     if step == run.start_step:  # the first step after a start never starts it
-        assert made == [] and run.standby is None
+        assert made == [] and run.job.standby is None
     run.begin_step(step + 1)  # one standby per run (the later step starts one where wanted)
     assert len(made) == (1 if started else 0)
-    assert (run.standby is not None) == started
+    assert (run.job.standby is not None) == started

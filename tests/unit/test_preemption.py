@@ -23,6 +23,7 @@ from rollout_recovery.errors import Preempted
 from rollout_recovery.preemption import NoticeWatch
 from rollout_recovery.run import TrainingRun
 from rollout_recovery.storage import RunStorage
+from rollout_recovery.trainer.held_job import HeldJob
 
 
 @pytest.fixture
@@ -119,9 +120,10 @@ def _run(tmp_path, answer: dict, *overrides: str) -> tuple[TrainingRun, FakeCont
     cfg = load_config(None, [f"checkpointing.checkpoint_dir={tmp_path / 'run'}",
                              "policy.model_path=hf://org/tiny", *overrides])  # fmt: skip
     run = TrainingRun(cfg, storage.fenced(Fence.of(root, owner)), owner, None)
-    run.rollouts = FakeController(answer)
+    ctl = FakeController(answer)
+    run.job = HeldJob(ctl, None, "local")
     run._notices.start()
-    return run, run.rollouts
+    return run, ctl
 
 
 def _events(tmp_path) -> list[dict]:
