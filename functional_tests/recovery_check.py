@@ -669,12 +669,12 @@ def start_s3() -> tuple[object, str]:
     """A local S3 server (moto) on 127.0.0.1 and the URI prefix of a bucket on it."""
     import logging
 
-    from moto.server import ThreadedMotoServer
+    from rollout_recovery.testing.s3_server import S3Server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
     # Port 0: the server binds a free port itself (a port probed first could be taken by a
     # check running beside this one before the server binds it).
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = S3Server(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     _, port = server.get_host_and_port()
     options = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"

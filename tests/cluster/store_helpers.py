@@ -48,10 +48,10 @@ def local_s3(bucket: str, prefix: str) -> Iterator[str]:
     credentials and endpoint options pyarrow needs (the bucket is created on first write)."""
     import logging
 
-    from moto.server import ThreadedMotoServer
+    from rollout_recovery.testing.s3_server import S3Server
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)  # binds a free port
+    server = S3Server(ip_address="127.0.0.1", port=0, verbose=False)  # binds a free port
     server.start()
     _, port = server.get_host_and_port()
     try:
