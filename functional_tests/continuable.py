@@ -61,6 +61,13 @@ def settings(args, steps: int) -> list[str]:
             "failover.max_restores=4"]  # fmt: skip
 
 
+def _as_in_a_terminal() -> None:
+    """Ctrl-C's default, as a terminal's foreground job has it (in the child, before exec):
+    a suite started in the background by a non-interactive shell inherits SIGINT ignored, and
+    phase 4's Ctrl-C then never reached the run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Phase:
     """One run of `train`, in its own session, held after every finished call."""
 
@@ -71,7 +78,8 @@ class Phase:
         self.log = open(args.out / f"{name}.log", "w")  # noqa: SIM115 - for the child's life
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO,
                                      env=os.environ | self.pauses.env(),
-                                     start_new_session=True)  # fmt: skip
+                                     start_new_session=True,
+                                     preexec_fn=_as_in_a_terminal)  # fmt: skip
         self.deadline = time.monotonic() + args.phase_timeout
         self.record = {"phase": name, "command": command, "extra": extra}
 
