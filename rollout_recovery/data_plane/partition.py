@@ -221,24 +221,26 @@ class PartitionTable:
         if self.delete_log and self.delete_log[0][0] < below:
             del self.delete_log[: bisect.bisect_left(self.delete_log, (below, ""))]
 
-    def load(self, table: pa.Table) -> int:
-        """Replace everything with rows read from a snapshot (carrying their seq column)."""
+    @classmethod
+    def loaded(cls, name: str, schema: pa.Schema, table: pa.Table) -> tuple[PartitionTable, int]:
+        """A partition holding exactly the rows read from a snapshot (carrying their seq
+        column), and the next seq after them."""
         seqs = table.column(SEQ_COLUMN).to_numpy()
         order = np.argsort(seqs, kind="stable")
         table = table.drop_columns([SEQ_COLUMN])
         if len(order) and np.any(np.diff(order) != 1):
             table = table.take(pa.array(order))
         seqs = seqs[order]
-        self.__init__(self.name, self.schema)
+        part = cls(name, schema)
         if table.num_rows:
             # Keep the snapshot's segments as batches: combining them would copy every row.
             for batch in table.to_batches():
-                self.offsets.append(self.total_rows)
-                self.batches.append(pa.Table.from_batches([batch]))
+                part.offsets.append(part.total_rows)
+                part.batches.append(pa.Table.from_batches([batch]))
             keys = table.column("key").to_pylist()
-            self.index = {k: (i, int(s)) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))}
-            self.available = {k: int(s) for k, s in zip(keys, seqs, strict=True)}
-        return int(seqs.max()) + 1 if len(seqs) else 0
+            part.index = {k: (i, int(s)) for i, (k, s) in enumerate(zip(keys, seqs, strict=True))}
+            part.available = {k: int(s) for k, s in zip(keys, seqs, strict=True)}
+        return part, int(seqs.max()) + 1 if len(seqs) else 0
 
     def _maybe_compact(self) -> None:
         """Rewrite live rows into one batch when dead rows dominate or batches pile up."""

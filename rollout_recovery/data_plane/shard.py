@@ -272,11 +272,13 @@ class StoreShard:
         self.leases.clear()
         self._frozen.clear()
         next_seq = boundary
-        for name, part in self.partitions.items():
+        for name, part in list(self.partitions.items()):
             if name in staged:
-                next_seq = max(next_seq, part.load(staged[name]))
+                self.partitions[name], after = PartitionTable.loaded(name, part.schema,
+                                                                     staged[name])  # fmt: skip
+                next_seq = max(next_seq, after)
             else:
-                part.__init__(name, part.schema)
+                self.partitions[name] = PartitionTable(name, part.schema)
         self.next_seq = next_seq
 
     async def restore_abort(self) -> None:
